@@ -1,0 +1,1 @@
+"""Deterministic (batch-invariant) kernels with torch reference paths; see kernels/README.md."""

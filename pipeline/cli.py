@@ -1,0 +1,107 @@
+"""`lockstep`: the command line. Thin: parse, import late, call one function, turn UserError into one line.
+
+  lockstep run CONFIG [key.sub=value ...]      run the job on this machine (engines, rollout, trainer)
+  lockstep config show CONFIG [overrides]      print the resolved config
+  lockstep config options                      every option with its type, default and meaning
+  lockstep summary RUN_DIR                     the end-of-run summary (and reward.png) again
+  lockstep data make-arith OUT_DIR             write the synthetic arithmetic task as JSONL
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.errors import ComponentFailed, UserError
+
+
+def cmd_run(args) -> int:
+    from pipeline.config import load_config
+    from pipeline.launch.local import run_local
+    from pipeline.launch.prepare import prepare_run
+    from pipeline.observability.report import plot_rewards, summary
+
+    cfg = load_config(args.config, args.overrides)
+    cfg, layout = prepare_run(cfg)
+    print(f"lockstep: run_dir {layout.root} ({cfg.num_rollout} steps, "
+          f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
+          f"{cfg.engine.num_engines} engine(s), {cfg.train.num_gpus} trainer rank(s))", file=sys.stderr)
+    run_local(cfg, layout, progress=not args.no_progress)
+    if cfg.logging.plot:
+        plot_rewards(layout.root)
+    print(summary(layout.root))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from pipeline.config import RunConfig, dump_config, load_config
+    from pipeline.config.core import option_table
+
+    if args.action == "show":
+        print(dump_config(load_config(args.config, args.overrides)), end="")
+    else:
+        for name, tp, default, doc in option_table(RunConfig):
+            print(f"{name:<40} {tp:<28} {default:<14} {doc}")
+    return 0
+
+
+def cmd_summary(args) -> int:
+    from pipeline.observability.report import plot_rewards, summary
+
+    plot_rewards(args.run_dir)
+    print(summary(args.run_dir))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from pipeline.rollout.tasks import make_arith
+
+    make_arith(args.out_dir)
+    print(f"wrote {args.out_dir}/train.jsonl and test.jsonl")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lockstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job on this machine")
+    r.add_argument("config", help="YAML recipe, e.g. configs/tiny.yaml")
+    r.add_argument("overrides", nargs="*", help="key.sub=value (or a unique leaf name: rollout_batch_size=8)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("config", help="show the resolved config or list all options")
+    c.add_argument("action", choices=["show", "options"])
+    c.add_argument("config", nargs="?", default=None)
+    c.add_argument("overrides", nargs="*")
+    c.set_defaults(fn=cmd_config)
+
+    s = sub.add_parser("summary", help="summary and reward plot of a finished run")
+    s.add_argument("run_dir")
+    s.set_defaults(fn=cmd_summary)
+
+    d = sub.add_parser("data", help="write a synthetic task")
+    d.add_argument("task", choices=["make-arith"])
+    d.add_argument("out_dir")
+    d.set_defaults(fn=cmd_data)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"lockstep: error: {e}", file=sys.stderr)
+        return 2
+    except ComponentFailed as e:
+        print(f"lockstep: error: {e}; last lines of its log:\n{e.log_tail}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lockstep: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The run configuration: one dataclass per component, documented field by field.
+
+Names follow Miles/slime where the concept exists there (rollout_batch_size, n_samples_per_prompt,
+global_batch_size, rollout_max_response_len, max_tokens_per_gpu, eps_clip, kl_loss_coef, ...), so a
+Miles command line translates key for key. Each section checks itself in `__post_init__`; checks that
+span sections live in `RunConfig.__post_init__`. Every error names the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.errors import ConfigError
+
+
+def _positive(section: str, **values) -> None:
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise ConfigError(f"{section + '.' if section else ''}{name} must be > 0 (got {v})")
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json). Null: create a
+    randomly initialised model from `init` inside the run directory."""
+    init: Literal["tiny-dense", "tiny-moe"] = "tiny-dense"
+    """Architecture preset used when `path` is null (about 0.1M parameters)."""
+    init_seed: int = 0
+    """Seed of the random initialisation when `path` is null."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and compute dtype of trainer and built-in engine (bfloat16 on GPUs)."""
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str = "data/arith/train.jsonl"
+    """JSONL file of prompts, one JSON object per line (Miles: --prompt-data)."""
+    input_key: str = "prompt"
+    """Field holding the prompt text, or a list of chat messages (Miles: --input-key)."""
+    label_key: str = "label"
+    """Field holding the reference answer given to the reward function (Miles: --label-key)."""
+    metadata_key: str = "metadata"
+    """Optional field passed through to the reward function and stored with each sample."""
+    apply_chat_template: bool = False
+    """Render the prompt with the tokenizer's chat template (Miles: --apply-chat-template)."""
+    rollout_shuffle: bool = True
+    """Shuffle prompts every epoch, deterministically from rollout_seed (Miles: --rollout-shuffle)."""
+    max_prompt_len: int = 256
+    """Prompts longer than this many tokens are handled per `on_bad_row`."""
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """A dataset row with a missing/ill-typed field or an oversize prompt: skip it (and count it) or stop."""
+
+    def __post_init__(self):
+        _positive("data", max_prompt_len=self.max_prompt_len)
+
+
+@dataclass
+class RolloutConfig:
+    rollout_batch_size: int = 32
+    """Prompts per rollout step (Miles: --rollout-batch-size)."""
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt; GRPO normalises rewards within each group (Miles: --n-samples-per-prompt)."""
+    rollout_max_response_len: int = 4
+    """Most new tokens per response (Miles: --rollout-max-response-len)."""
+    rollout_temperature: float = 1.0
+    """Sampling temperature; the trainer scores tokens at the same temperature (Miles: --rollout-temperature)."""
+    rollout_top_p: float = 1.0
+    """Nucleus sampling threshold (Miles: --rollout-top-p)."""
+    rollout_top_k: int = -1
+    """Top-k sampling; -1 disables it (Miles: --rollout-top-k)."""
+    rollout_seed: int = 42
+    """Seed of prompt order and of every request's sampling seed (Miles: --rollout-seed)."""
+    rm_type: str = "arith"
+    """Reward function: a registry name (arith, exact_match, math) or a dotted path `module:function`."""
+    request_timeout_s: float = 120.0
+    """An engine request that takes longer than this fails and is retried on another engine."""
+    max_retries: int = 3
+    """Attempts per request before the step fails."""
+
+    def __post_init__(self):
+        _positive(
+            "rollout",
+            rollout_batch_size=self.rollout_batch_size,
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            rollout_max_response_len=self.rollout_max_response_len,
+            rollout_temperature=self.rollout_temperature,
+            request_timeout_s=self.request_timeout_s,
+        )
+        if not 0.0 < self.rollout_top_p <= 1.0:
+            raise ConfigError(f"rollout.rollout_top_p must be in (0, 1] (got {self.rollout_top_p})")
+        if self.rollout_top_k == 0 or self.rollout_top_k < -1:
+            raise ConfigError(f"rollout.rollout_top_k must be -1 (off) or >= 1 (got {self.rollout_top_k})")
+
+
+@dataclass
+class LocalEngineConfig:
+    type: Literal["local"] = "local"
+    """The built-in torch engine: SGLang's HTTP protocol, same model code as the trainer."""
+    num_engines: int = 1
+    """Engine processes (each a server with its own copy of the weights)."""
+    max_running_requests: int = 256
+    """Sequences decoded together per engine (KV-cache slots)."""
+    host: str = "127.0.0.1"
+    """Interface the engine binds to (loopback locally; the node's cluster interface on Slurm)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs; auto picks cuda when a GPU is visible."""
+    num_threads: int = 1
+    """torch intra-op threads of each engine process on CPU."""
+
+    def __post_init__(self):
+        _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests)
+
+
+EngineConfig = LocalEngineConfig
+
+
+@dataclass
+class TrainConfig:
+    backend: Literal["fsdp"] = "fsdp"
+    """Training backend: FSDP2 (torch.distributed.fsdp.fully_shard)."""
+    num_gpus: int = 1
+    """Trainer ranks (GPUs, or gloo processes on CPU) (Miles: --actor-num-gpus-per-node x nodes)."""
+    global_batch_size: int = 256
+    """Samples per optimizer step; rollout_batch_size x n_samples_per_prompt must be a multiple (Miles: --global-batch-size)."""
+    max_tokens_per_gpu: int = 4096
+    """Token budget of one packed micro-batch on one rank (Miles: --max-tokens-per-gpu)."""
+    lr: float = 3e-3
+    """AdamW learning rate (Miles: --lr)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up over this many optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (Miles: --weight-decay)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1 (Miles: --adam-beta1)."""
+    adam_beta2: float = 0.99
+    """AdamW beta2 (Miles: --adam-beta2)."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip; 0 disables (Miles: --clip-grad)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where trainer ranks run; auto picks cuda when a GPU is visible."""
+    num_threads: int = 1
+    """torch intra-op threads of each trainer rank on CPU."""
+    seed: int = 1234
+    """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
+    dist_timeout_s: float = 600.0
+    """Timeout of trainer collectives before a hung peer is reported."""
+
+    def __post_init__(self):
+        _positive(
+            "train",
+            num_gpus=self.num_gpus,
+            global_batch_size=self.global_batch_size,
+            max_tokens_per_gpu=self.max_tokens_per_gpu,
+            lr=self.lr,
+        )
+        if self.clip_grad < 0:
+            raise ConfigError(f"train.clip_grad must be >= 0 (got {self.clip_grad})")
+
+
+@dataclass
+class AlgoConfig:
+    advantage_estimator: Literal["grpo"] = "grpo"
+    """How rewards become advantages (Miles: --advantage-estimator)."""
+    eps_clip: float = 0.2
+    """PPO clip range below 1 (Miles: --eps-clip)."""
+    eps_clip_high: float | None = None
+    """PPO clip range above 1; null uses eps_clip (Miles: --eps-clip-high, 'clip-higher')."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss against the initial (reference) policy; 0 disables it and the reference model (Miles: --kl-loss-coef)."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator (Miles: --kl-loss-type)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (Miles: --entropy-coef)."""
+    grpo_std_normalization: bool = True
+    """Divide group-centred rewards by the group std (false gives Dr. GRPO's advantage)."""
+
+    def __post_init__(self):
+        _positive("algo", eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high)
+        if self.kl_loss_coef < 0:
+            raise ConfigError(f"algo.kl_loss_coef must be >= 0 (got {self.kl_loss_coef})")
+
+
+@dataclass
+class BroadcastWeightsConfig:
+    type: Literal["broadcast"] = "broadcast"
+    """Trainer rank 0 broadcasts to every engine over a torch.distributed group (NCCL/RCCL on GPUs, gloo on CPU)."""
+    bucket_size_mb: int = 512
+    """Tensors are sent in buckets of about this size; one engine update request per bucket."""
+    timeout_s: float = 300.0
+    """A weight update that has not finished after this many seconds fails with an error (no hang)."""
+
+    def __post_init__(self):
+        _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
+
+
+WeightsConfig = BroadcastWeightsConfig
+
+
+@dataclass
+class DeterminismConfig:
+    true_on_policy: bool = False
+    """Batch-invariant kernels in engine and trainer: engine and trainer logprobs equal bit for bit."""
+    routing_replay: bool = False
+    """R3: engines record each token's experts, the trainer's MoE routers replay them (MoE models only)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0
+    """Save a checkpoint every this many steps (0: only at the end) (Miles: --save-interval)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
+    export_hf: bool = True
+    """At the end, also write the final policy as a Hugging Face directory run_dir/hf/."""
+
+    def __post_init__(self):
+        if self.save_interval < 0:
+            raise ConfigError(f"checkpoint.save_interval must be >= 0 (got {self.save_interval})")
+        _positive("checkpoint", keep_last=self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Show a progress bar on the terminal while the run goes."""
+    plot: bool = True
+    """Write run_dir/reward.png at the end."""
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/tiny"
+    """The run directory on a shared filesystem: config, rendezvous, buffer, checkpoints, metrics."""
+    num_rollout: int = 40
+    """Rollout/train steps to run (Miles: --num-rollout)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The prompt dataset."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling and rewards."""
+    engine: EngineConfig = field(default_factory=LocalEngineConfig)
+    """Rollout engines."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The trainer."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Advantages and losses."""
+    weights: WeightsConfig = field(default_factory=BroadcastWeightsConfig)
+    """Weight sync from trainer to engines."""
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    """Bitwise train/inference agreement."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and export."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Terminal output and plots."""
+
+    def __post_init__(self):
+        _positive("", num_rollout=self.num_rollout)
+        r, t = self.rollout, self.train
+        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        if samples % t.global_batch_size:
+            raise ConfigError(
+                f"rollout_batch_size x n_samples_per_prompt ({r.rollout_batch_size} x {r.n_samples_per_prompt}"
+                f" = {samples}) must be divisible by global_batch_size ({t.global_batch_size}):"
+                f" set train.global_batch_size to a divisor of {samples}"
+            )
+        if t.global_batch_size % t.num_gpus:
+            raise ConfigError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.num_gpus ({t.num_gpus})"
+            )
+        longest = self.data.max_prompt_len + r.rollout_max_response_len
+        if t.max_tokens_per_gpu < longest:
+            raise ConfigError(
+                f"train.max_tokens_per_gpu ({t.max_tokens_per_gpu}) < data.max_prompt_len +"
+                f" rollout.rollout_max_response_len ({longest}): raise it or shorten prompts/responses"
+            )
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return self.samples_per_step // self.train.global_batch_size

@@ -1,0 +1,123 @@
+"""Run every component of a job as local processes (the embedded default: no Slurm needed).
+
+The same entry points Slurm's srun starts (pipeline.launch.component): engines first (waited for
+until they serve), then the rollout manager and the trainer ranks. If any process fails, all are
+stopped and the failing one is named with the end of its log. Children run in their own process
+groups and are ended by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from pipeline.config.schema import RunConfig
+from pipeline.errors import ComponentFailed
+from pipeline.launch import rendezvous as rdzv
+from pipeline.launch.layout import RunLayout
+from pipeline.observability.metrics import read_metrics
+from pipeline.observability.report import ProgressBar
+
+log = logging.getLogger("lockstep.launch")
+
+
+def tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: str
+    required: bool = True  # its failure fails the run
+
+
+class Supervisor:
+    """Starts components, watches them, and ends them all when one fails or the run is over."""
+
+    def __init__(self, layout: RunLayout, env: dict | None = None):
+        self.layout = layout
+        self.env = dict(os.environ, **(env or {}))
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, args: list[str], env: dict | None = None) -> Proc:
+        path = self.layout.log_file(name)
+        logf = open(path, "ab")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.launch.component", *args],
+            stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})), start_new_session=True,
+        )
+        logf.close()
+        proc = Proc(name, popen, path)
+        self.procs.append(proc)
+        return proc
+
+    def check(self) -> None:
+        """Raise ComponentFailed for the first process that exited with an error."""
+        for p in self.procs:
+            rc = p.popen.poll()
+            if rc not in (None, 0):
+                raise ComponentFailed(p.name, rc, tail(p.log_path))
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.popen.wait()
+
+
+def trainer_env(rank: int, world: int, port: int) -> dict:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
+    """Run the job to the end; raises ComponentFailed if a component fails."""
+    sup = Supervisor(layout)
+    bar = ProgressBar(cfg.num_rollout, enabled=progress and cfg.logging.progress)
+    try:
+        for i in range(cfg.engine.num_engines):
+            sup.start(f"engine_{i}", ["engine", "--run-dir", layout.root, "--index", str(i)])
+        for i in range(cfg.engine.num_engines):
+            rdzv.wait_for(rdzv.engine_file(layout.root, i), timeout_s=600, alive=sup.check)
+        sup.start("rollout", ["rollout", "--run-dir", layout.root])
+        port = rdzv.free_port()
+        rdzv.publish(os.path.join(rdzv.rdzv_dir(layout.root), "trainer.json"),
+                     {"master_addr": "127.0.0.1", "master_port": port})
+        world = cfg.train.num_gpus
+        trainers = [sup.start(f"trainer_{r}", ["trainer", "--run-dir", layout.root], env=trainer_env(r, world, port))
+                    for r in range(world)]
+        while any(t.popen.poll() is None for t in trainers):
+            sup.check()
+            bar.update(read_metrics(layout.root))
+            time.sleep(0.25)
+        sup.check()
+        bar.update(read_metrics(layout.root))
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopping all components")
+        raise
+    finally:
+        bar.close()
+        sup.stop_all()

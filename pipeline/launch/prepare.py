@@ -1,0 +1,103 @@
+"""Turn a loaded config into a ready run directory (shared by `lockstep run` and `lockstep submit`).
+
+Resolves paths to absolute ones (components may start in another working directory, on another
+node), checks inputs before anything is launched, creates the starting model when none is given,
+and writes the resolved config every component reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from pipeline.config import RESOLVED_NAME, dump_config
+from pipeline.config.schema import RunConfig
+from pipeline.errors import UserError
+from pipeline.launch import rendezvous as rdzv
+from pipeline.launch.layout import RunLayout
+from pipeline.utils.fs import atomic_write_bytes
+
+log = logging.getLogger("lockstep.launch")
+
+
+def resolve_paths(cfg: RunConfig) -> RunConfig:
+    model = cfg.model
+    if model.path:
+        model = dataclasses.replace(model, path=os.path.abspath(os.path.expanduser(model.path)))
+    data = dataclasses.replace(cfg.data, prompt_data=os.path.abspath(os.path.expanduser(cfg.data.prompt_data)))
+    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data)
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    if not os.path.exists(cfg.data.prompt_data):
+        raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    if cfg.model.path:
+        if not os.path.isdir(cfg.model.path):
+            raise UserError(f"model.path {cfg.model.path!r} is not a directory: point it at a Hugging Face checkpoint")
+        from pipeline.models.hf_io import read_model_args
+
+        read_model_args(cfg.model.path)
+        if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
+            raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
+    with open(cfg.data.prompt_data) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                import json
+
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    raise UserError(f"{cfg.data.prompt_data}:{lineno}: not valid JSON") from None
+                if not isinstance(row, dict) or cfg.data.input_key not in row:
+                    raise UserError(
+                        f"{cfg.data.prompt_data}:{lineno}: no {cfg.data.input_key!r} field"
+                        f" (set data.input_key to the field that holds the prompt)")
+                break
+        else:
+            raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} is empty")
+
+
+def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
+    """Write a randomly initialised HF checkpoint + tokenizer to run_dir/model_init (once)."""
+    if os.path.exists(os.path.join(layout.model_init, "config.json")):
+        return
+    import torch
+
+    from pipeline.models.config import tiny_preset
+    from pipeline.models.hf_io import save_model
+    from pipeline.models.qwen3 import Qwen3ForCausalLM
+    from pipeline.models.tokenizer import build_tiny_tokenizer
+
+    tok_dir = layout.model_init + ".tokenizer"
+    tok = build_tiny_tokenizer(tok_dir)
+    args = tiny_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    torch.manual_seed(cfg.model.init_seed)
+    model = Qwen3ForCausalLM(args)
+    model.init_weights(cfg.model.init_seed)
+    save_model(model.state_dict(), args, layout.model_init, tokenizer_dir=tok_dir)
+    import shutil
+
+    shutil.rmtree(tok_dir, ignore_errors=True)
+
+
+def prepare_run(cfg: RunConfig) -> tuple[RunConfig, RunLayout]:
+    cfg = resolve_paths(cfg)
+    check_inputs(cfg)
+    layout = RunLayout(cfg.run_dir)
+    for d in (layout.root, layout.logs, layout.buffer):
+        os.makedirs(d, exist_ok=True)
+    if not os.access(layout.root, os.W_OK):
+        raise UserError(f"run_dir {layout.root!r} is not writable")
+    previous = os.path.join(layout.root, RESOLVED_NAME)
+    text = dump_config(cfg)
+    if os.path.exists(previous):
+        with open(previous) as f:
+            if f.read() != text:
+                log.warning("run_dir %s held a different config; the new one replaces it (resuming from its checkpoints)",
+                            layout.root)
+    atomic_write_bytes(previous, text.encode())
+    if cfg.model.path is None:
+        make_initial_model(cfg, layout)
+    rdzv.reset_control(layout.root)
+    return cfg, layout

@@ -1,0 +1,97 @@
+"""Rendezvous and control through small atomic files in the run directory (no Ray, no extra service).
+
+  run_dir/rendezvous/engine_<i>.json   {url, host, port, pid}     written by each engine when serving
+  run_dir/rendezvous/trainer.json      {master_addr, master_port} written by the launcher / trainer rank 0
+  run_dir/rendezvous/weights.json      {master_address, master_port, world_size, backend} weight group
+  run_dir/control/step_<k>.json        {step, weight_version}     trainer asks for rollout step k
+  run_dir/control/STOP                 the run is over; rollout side exits
+Every file is written atomically (utils.fs), so a reader sees all of it or nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Callable
+
+from pipeline.utils.fs import atomic_write_json, read_json
+
+
+def rdzv_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "rendezvous")
+
+
+def control_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "control")
+
+
+def publish(path: str, info: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_json(path, dict(info, published=time.time()))
+
+
+def wait_for(path: str, timeout_s: float, alive: Callable[[], None] | None = None, poll_s: float = 0.05) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:.0f}s")
+        if alive:
+            alive()
+        time.sleep(poll_s)
+    return read_json(path)
+
+
+def engine_file(run_dir: str, index: int) -> str:
+    return os.path.join(rdzv_dir(run_dir), f"engine_{index}.json")
+
+
+def engine_urls(run_dir: str, num_engines: int, timeout_s: float = 600.0,
+                alive: Callable[[], None] | None = None) -> list[str]:
+    return [wait_for(engine_file(run_dir, i), timeout_s, alive)["url"] for i in range(num_engines)]
+
+
+def step_request_file(run_dir: str, step: int) -> str:
+    return os.path.join(control_dir(run_dir), f"step_{step:06d}.json")
+
+
+def request_step(run_dir: str, step: int, weight_version: int) -> None:
+    publish(step_request_file(run_dir, step), {"step": step, "weight_version": weight_version})
+
+
+def stop_file(run_dir: str) -> str:
+    return os.path.join(control_dir(run_dir), "STOP")
+
+
+def request_stop(run_dir: str, reason: str = "done") -> None:
+    publish(stop_file(run_dir), {"reason": reason})
+
+
+def stop_requested(run_dir: str) -> bool:
+    return os.path.exists(stop_file(run_dir))
+
+
+def wait_step_request(run_dir: str, step: int, poll_s: float = 0.02) -> dict | None:
+    """Block until step `step` is requested (returns the request) or the run stops (returns None)."""
+    path = step_request_file(run_dir, step)
+    while True:
+        if os.path.exists(path):
+            return read_json(path)
+        if stop_requested(run_dir):
+            return None
+        time.sleep(poll_s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def reset_control(run_dir: str) -> None:
+    """Clear step requests, STOP and stale addresses before (re)starting a run in this directory."""
+    for d in (control_dir(run_dir), rdzv_dir(run_dir)):
+        if os.path.isdir(d):
+            for name in os.listdir(d):
+                os.unlink(os.path.join(d, name))
+        os.makedirs(d, exist_ok=True)

@@ -1,0 +1,75 @@
+"""How a flat token stream is grouped for attention.
+
+The model runs on a flat stream of N tokens (no padding). An attention *context* tells each
+attention layer how those tokens relate: packed independent sequences (training, engine prefill),
+or single decode tokens that attend to a KV cache (engine decode). The model code calls
+`ctx.attend(layer_idx, q_NHD, k_NKD, v_NKD)` and never needs to know which.
+
+Legend: N tokens in the stream, H query heads, K key/value heads, D head dim, B sequences, T length.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionContext(Protocol):
+    def attend(self, layer_idx: int, q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor) -> torch.Tensor:
+        """Return the attention output [N, H, D] for the N tokens of the stream."""
+        ...
+
+
+def sdpa_padded(q_BHTD, k_BKSD, v_BKSD, mask_BTS) -> torch.Tensor:
+    """Scaled dot-product attention with a boolean mask (True = attend), GQA by head grouping."""
+    h, kv = q_BHTD.shape[1], k_BKSD.shape[1]
+    return F.scaled_dot_product_attention(
+        q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_BTS[:, None], enable_gqa=h != kv
+    )
+
+
+class PackedCausal:
+    """Independent causal sequences packed back to back: sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1].
+
+    The packed stream is scattered into a [B, T] grid for one SDPA call, then gathered back, so the
+    model itself never sees padding and no logits are computed for pad positions.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        assert cu_seqlens.dim() == 1 and cu_seqlens[0] == 0
+        self.cu_seqlens = cu_seqlens
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        self.lengths = lengths
+        self.max_len = int(lengths.max()) if lengths.numel() else 0
+        device = cu_seqlens.device
+        n = int(cu_seqlens[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        pos_in_seq = torch.arange(n, device=device) - cu_seqlens[:-1][seq_of_token]
+        self.grid_index = (seq_of_token, pos_in_seq)  # token i sits at grid[seq, pos]
+        self.positions = pos_in_seq
+        t = torch.arange(self.max_len, device=device)
+        causal_TT = t[:, None] >= t[None, :]
+        valid_BT = t[None, :] < lengths[:, None]
+        # Padded query rows attend to key 0 so no row is fully masked (their output is discarded).
+        self.mask_BTT = (causal_TT[None] & valid_BT[:, None, :]) | (t[None, None, :] == 0)
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> "PackedCausal":
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=device)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long, device=device), 0)
+        return cls(cu)
+
+    def to_grid(self, x_NXD: torch.Tensor) -> torch.Tensor:
+        b = len(self.lengths)
+        grid = x_NXD.new_zeros(b, self.max_len, *x_NXD.shape[1:])
+        grid[self.grid_index] = x_NXD
+        return grid
+
+    def attend(self, layer_idx, q_NHD, k_NKD, v_NKD):
+        q = self.to_grid(q_NHD).transpose(1, 2)
+        k = self.to_grid(k_NKD).transpose(1, 2)
+        v = self.to_grid(v_NKD).transpose(1, 2)
+        o_BHTD = sdpa_padded(q, k, v, self.mask_BTT)
+        return o_BHTD.transpose(1, 2)[self.grid_index]

@@ -1,0 +1,138 @@
+"""Hugging Face checkpoint directories: config.json + safetensors (single file or sharded index).
+
+`load_model` builds our Qwen3 module from a real HF directory; `save_model` writes one that
+transformers (and SGLang's loader) read back. Writes are atomic: a temp directory renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.models.config import ModelArgs
+from pipeline.utils.fs import atomic_dir
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def read_model_args(model_dir: str) -> ModelArgs:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
+    with open(path) as f:
+        return ModelArgs.from_hf(json.load(f))
+
+
+def read_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(model_dir, INDEX_NAME)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(model_dir, SINGLE_NAME)):
+        files = [SINGLE_NAME]
+    else:
+        raise UserError(f"{model_dir!r} has no {SINGLE_NAME} or {INDEX_NAME}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(os.path.join(model_dir, name)))
+    return state
+
+
+def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Build the model from an HF directory. Returns (args, model)."""
+    from pipeline.models.qwen3 import Qwen3ForCausalLM
+
+    args = read_model_args(model_dir)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(args)
+    model = model.to_empty(device=device).to(dtype)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    state = read_state_dict(model_dir)
+    load_state(model, state, source=model_dir)
+    return args, model
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy an HF-named state dict into the model; refuse missing or unexpected names."""
+    expected = set(model.state_dict().keys())
+    if model.args.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise UserError(
+            f"{source}: weights do not match the architecture in config.json "
+            f"(missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''})"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = params[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise UserError(f"{source}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+
+
+def save_model(
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    out_dir: str,
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write an HF checkpoint directory (sharded above max_shard_bytes), atomically."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        nbytes = state[name].numel() * state[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += nbytes
+    with atomic_dir(out_dir) as tmp:
+        hf_cfg = args.to_hf()
+        if dtype is not None:
+            hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, SINGLE_NAME), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            total = 0
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+                for name, t in shard.items():
+                    weight_map[name] = fname
+                    total += t.numel() * t.element_size()
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "pad_token_id": args.pad_token_id}
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(gen, f, indent=2)
+        if tokenizer_dir:
+            for name in TOKENIZER_FILES:
+                src = os.path.join(tokenizer_dir, name)
+                if os.path.exists(src) and name != "generation_config.json":
+                    shutil.copy(src, os.path.join(tmp, name))

@@ -1,0 +1,34 @@
+"""Per-token log-probabilities, shared by the engine (at sampling time) and the trainer.
+
+Both sides call the same function on the same dtype path, so in true on-policy mode (batch-invariant
+kernels) their results agree bit for bit. Temperature is applied before the softmax, matching the
+distribution the engine samples from (top-p/top-k truncation is not renormalised, as in SGLang).
+
+Legend: M scored positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-5
+
+
+def scaled_logits(logits_MV: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """fp32 logits divided by the temperature (temperature ~0 means greedy: scored at 1)."""
+    logits = logits_MV.float()
+    if isinstance(temperature, torch.Tensor):
+        t = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature).float()
+        return logits / t[:, None]
+    return logits / (temperature if temperature >= GREEDY_EPS else 1.0)
+
+
+def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature), in fp32. Returns [M]."""
+    logp_MV = torch.log_softmax(scaled_logits(logits_MV, temperature), dim=-1)
+    return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
+
+
+def entropy(logits_MV: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp = torch.log_softmax(scaled_logits(logits_MV, temperature), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,212 @@
+"""A Qwen3-style decoder (RMSNorm, RoPE, GQA with q/k norm, SwiGLU) with an optional top-k MoE block.
+
+One module serves the trainer and the built-in engine. It runs on a flat stream of tokens; an
+attention context (pipeline.models.attention) says how the tokens group into sequences or attend to a
+KV cache, and an optional `MoeRouting` records or replays (R3) the experts each token is sent to.
+Parameter names equal Hugging Face Qwen3 / Qwen3-MoE checkpoint names, so `state_dict()` loads from
+and saves to real checkpoints unchanged.
+
+Legend: N tokens, D hidden, H query heads, K kv heads, Hd head dim, V vocab, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.attention import AttentionContext
+from pipeline.models.config import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(positions_N: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [N, Hd] for the given absolute positions (computed in fp32, like HF)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions_N.device) / head_dim))
+    freqs = positions_N[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    half = x_NHD.shape[-1] // 2
+    rotated = torch.cat((-x_NHD[..., half:], x_NHD[..., :half]), dim=-1)
+    return x_NHD * cos_ND[:, None] + rotated * sin_ND[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, hd = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=args.attention_bias)
+        self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+
+    def forward(self, x_ND, cos, sin, ctx: AttentionContext, layer_idx: int):
+        n = x_ND.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x_ND).view(n, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x_ND).view(n, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x_ND).view(n, self.n_kv, self.head_dim)
+        o_NHD = ctx.attend(layer_idx, q, k, v)
+        return self.o_proj(o_NHD.reshape(n, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class MoeRouting:
+    """Per-forward routing state: record the live top-k experts, or replay given ones (R3).
+
+    replay_NLk: expert ids [N, num_moe_layers, k] to use instead of the live top-k (rollout routing
+    replay). When replaying, `mismatch` counts, per MoE layer, tokens whose live top-k set differs.
+    """
+
+    replay_NLk: torch.Tensor | None = None
+    record: bool = False
+    recorded: list[torch.Tensor] = field(default_factory=list)
+    mismatch: list[torch.Tensor] = field(default_factory=list)
+    replayed: list[torch.Tensor] = field(default_factory=list)
+
+    def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
+        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float)
+        live_Nk = torch.topk(probs_NE, k, dim=-1).indices
+        if self.replay_NLk is not None:
+            replay_Nk = self.replay_NLk[:, moe_idx].long()
+            known_N1 = (replay_Nk >= 0).all(-1, keepdim=True)  # rows of -1: no trace, route live
+            idx_Nk = torch.where(known_N1, replay_Nk, live_Nk)
+            differs = (live_Nk.sort(-1).values != idx_Nk.sort(-1).values).any(-1) & known_N1[:, 0]
+            self.mismatch.append(differs.sum().detach())
+            self.replayed.append(known_N1.sum().detach())
+        else:
+            idx_Nk = live_Nk
+        if self.record:
+            self.recorded.append(idx_Nk.detach())
+        weights_Nk = probs_NE.gather(-1, idx_Nk)
+        if norm_topk:
+            weights_Nk = weights_Nk / weights_Nk.sum(-1, keepdim=True)
+        return idx_Nk, weights_Nk.to(logits_NE.dtype)
+
+
+def default_route(logits_NE: torch.Tensor, k: int, norm_topk: bool):
+    return MoeRouting().route(0, logits_NE, k, norm_topk)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.norm_topk = args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
+
+    def forward(self, x_ND, routing: MoeRouting | None, moe_idx: int):
+        logits_NE = self.gate(x_ND)
+        if routing is None:
+            idx_Nk, w_Nk = default_route(logits_NE, self.top_k, self.norm_topk)
+        else:
+            idx_Nk, w_Nk = routing.route(moe_idx, logits_NE, self.top_k, self.norm_topk)
+        out_ND = torch.zeros_like(x_ND)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx_Nk == e)
+            if tok.numel() == 0:
+                # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
+                out_ND = out_ND + 0.0 * expert(x_ND[:0]).sum()
+                continue
+            y = expert(x_ND[tok]) * w_Nk[tok, slot, None]
+            out_ND = out_ND.index_add(0, tok, y.to(out_ND.dtype))
+        return out_ND
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.moe_idx = args.moe_layers.index(layer_idx) if args.is_moe_layer(layer_idx) else -1
+        self.self_attn = Attention(args)
+        self.mlp = SparseMoeBlock(args) if self.moe_idx >= 0 else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x_ND, cos, sin, ctx, routing):
+        x_ND = x_ND + self.self_attn(self.input_layernorm(x_ND), cos, sin, ctx, self.layer_idx)
+        h = self.post_attention_layernorm(x_ND)
+        if self.moe_idx >= 0:
+            return x_ND + self.mlp(h, routing, self.moe_idx)
+        return x_ND + self.mlp(h)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """The causal LM. The LM head runs inside `forward` (only at the positions asked for), so wrappers
+    such as FSDP2 see one forward per step."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Qwen3Model(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids_N: torch.Tensor,
+        positions_N: torch.Tensor,
+        ctx: AttentionContext,
+        routing: MoeRouting | None = None,
+        logits_at_M: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [N, D]; or, with `logits_at_M`, logits [M, V] at those stream positions only."""
+        x_ND = self.model.embed_tokens(input_ids_N)
+        cos, sin = rope_cos_sin(positions_N, self.args.head_dim, self.args.rope_theta, x_ND.dtype)
+        for layer in self.model.layers:
+            x_ND = layer(x_ND, cos, sin, ctx, routing)
+        if logits_at_M is None:
+            return self.model.norm(x_ND)
+        return self.lm_head(self.model.norm(x_ND[logits_at_M]))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Hugging Face's initialisation: N(0, initializer_range) for linear/embedding, ones for norms."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.args.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))

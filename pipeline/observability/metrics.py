@@ -1,0 +1,52 @@
+"""metrics.jsonl: one JSON object per step, appended and fsynced by trainer rank 0.
+
+Keys are namespaced: rollout/*, train/*, perf/*, weights/*. A reader ignores a torn last line (a
+kill in the middle of an append), so the file is always readable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, start_step: int = 0):
+        self.path = os.path.join(run_dir, METRICS_NAME)
+        # On resume drop records of steps that will be re-run, so the file has one line per step.
+        kept = [r for r in read_metrics(run_dir) if r.get("step", -1) < start_step]
+        with open(self.path, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write(self, record: dict) -> None:
+        line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, METRICS_NAME)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # torn final line
+    return out

@@ -1,0 +1,108 @@
+"""What a person looks at: the progress line while a run goes, a summary and a reward curve at the end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from pipeline.observability.metrics import read_metrics
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+class ProgressBar:
+    """A one-line bar on stderr: step k/N, reward, loss, step time, ETA. Plain lines when not a TTY."""
+
+    def __init__(self, total: int, enabled: bool = True, stream=sys.stderr):
+        self.total, self.enabled, self.stream = total, enabled, stream
+        self.tty = stream.isatty()
+        self.t0 = time.monotonic()
+        self.last_step = -1
+
+    def update(self, records: list[dict], status: str = "") -> None:
+        if not self.enabled:
+            return
+        done = len(records)
+        if not records:
+            line = f"[{'.' * 30}] 0/{self.total} {status}"
+        else:
+            if records[-1]["step"] == self.last_step and not self.tty:
+                return
+            r = records[-1]
+            self.last_step = r["step"]
+            frac = min(done / self.total, 1.0)
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            step_t = mean([x.get("perf/step_time_s") for x in records[-5:]])
+            eta = step_t * (self.total - done)
+            line = (f"[{bar}] {done}/{self.total} reward {r.get('rollout/reward_mean', float('nan')):.3f}"
+                    f" loss {r.get('train/loss', float('nan')):+.4f} step {step_t:.2f}s eta {eta:.0f}s")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100)[:120])
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary(run_dir: str) -> str:
+    records = read_metrics(run_dir)
+    if not records:
+        return f"no steps recorded in {run_dir}"
+    first, last = records[:3], records[-3:]
+    lines = [
+        f"run_dir           {run_dir}",
+        f"steps             {len(records)} (weights version {records[-1].get('weights/version')})",
+        f"reward            {mean([r.get('rollout/reward_mean') for r in first]):.3f} (first 3 steps)"
+        f" -> {mean([r.get('rollout/reward_mean') for r in last]):.3f} (last 3)",
+        f"response length   {mean([r.get('rollout/response_len_mean') for r in last]):.2f} tokens (last 3)",
+        f"logprob |diff|    mean {mean([r.get('train/rollout_logprob_abs_diff') for r in records]):.3g},"
+        f" max {max((r.get('train/rollout_logprob_max_abs_diff') or 0) for r in records):.3g} (trainer vs engine)",
+        f"time per step     {mean([r.get('perf/step_time_s') for r in records]):.2f}s"
+        f" = rollout {mean([r.get('perf/rollout_time_s') for r in records]):.2f}s"
+        f" + train {mean([r.get('perf/train_time_s') for r in records]):.2f}s"
+        f" + weight sync {mean([r.get('perf/weight_sync_time_s') for r in records]):.3f}s",
+        f"total time        {sum(r.get('perf/step_time_s') or 0 for r in records):.0f}s",
+    ]
+    for name in ("reward.png", "hf"):
+        if os.path.exists(os.path.join(run_dir, name)):
+            lines.append(f"{'plot' if name.endswith('png') else 'final model':<18}{os.path.join(run_dir, name)}")
+    return "\n".join(lines)
+
+
+def plot_rewards(run_dir: str, out_name: str = "reward.png") -> str | None:
+    records = read_metrics(run_dir)
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3)
+    axes[0].set(title="reward (rollout/reward_mean)", xlabel="step", ylim=(-0.02, 1.02))
+    axes[1].plot(steps, [r.get("train/rollout_logprob_abs_diff") for r in records], label="mean")
+    axes[1].plot(steps, [r.get("train/rollout_logprob_max_abs_diff") for r in records], label="max")
+    axes[1].set(title="|trainer - engine| logprob", xlabel="step")
+    axes[1].legend()
+    for key, label in (("perf/rollout_time_s", "rollout"), ("perf/train_time_s", "train"),
+                       ("perf/weight_sync_time_s", "weight sync")):
+        axes[2].plot(steps, [r.get(key) for r in records], label=label)
+    axes[2].set(title="time per step (s)", xlabel="step")
+    axes[2].legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(run_dir, out_name)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,282 @@
+"""The built-in engine's scheduler: continuous batching over a slot KV cache.
+
+Requests wait in a queue; each scheduler step either admits waiting requests (one packed prefill
+that also samples their first token) or decodes one token for every running request. Finished
+requests leave at once and their slots are compacted. Sampling is seeded per request
+(sampling.py), so a request's tokens do not depend on what else is running.
+
+The scheduler runs in one thread; HTTP handlers submit requests and wait on an event. Weight
+updates take `model_lock`, which a step holds, so weights never change in the middle of a forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.models.config import ModelArgs
+from pipeline.models.logprobs import token_logprobs
+from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
+from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
+from pipeline.rollout.engine.sampling import sample
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "SamplingParams":
+        d = d or {}
+        top_k = d.get("top_k", -1)
+        return cls(
+            max_new_tokens=int(d.get("max_new_tokens", 128)),
+            temperature=float(d.get("temperature", 1.0)),
+            top_p=float(d.get("top_p", 1.0)),
+            top_k=int(top_k if top_k is not None else -1),
+            stop_token_ids=list(d.get("stop_token_ids") or []),
+            ignore_eos=bool(d.get("ignore_eos", False)),
+            sampling_seed=d.get("sampling_seed"),
+        )
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_routed_experts: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, moe_layers, k]
+    finish_reason: dict | None = None
+    weight_version: str = ""
+    submitted: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    abort_requested: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def seed(self) -> int:
+        if self.params.sampling_seed is not None:
+            return int(self.params.sampling_seed)
+        return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        *,
+        max_running: int,
+        context_length: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_prefill_tokens: int = 16384,
+    ):
+        self.model = model.eval()
+        self.args: ModelArgs = model.args
+        self.device, self.dtype = device, dtype
+        self.max_running, self.context_length = max_running, context_length
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = list(eos_token_ids)
+        self.cache = KVCache(self.args, max_running, context_length, dtype, device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.cv = threading.Condition()
+        self.model_lock = threading.Lock()
+        self.paused = False
+        self.weight_version = "0"
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
+        self._stop = False
+
+    # ---- client side -------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        if len(req.input_ids) >= self.context_length:
+            req.finish_reason = {"type": "abort", "message": f"prompt of {len(req.input_ids)} tokens >= context length"}
+            req.done.set()
+            return req
+        with self.cv:
+            self.waiting.append(req)
+            self.cv.notify_all()
+        return req
+
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        n = 0
+        with self.cv:
+            for req in list(self.waiting) + self.running:
+                if abort_all or req.rid == rid:
+                    req.abort_requested = True
+                    n += 1
+            self.cv.notify_all()
+        return n
+
+    def pause(self) -> None:
+        """Stop scheduling after the current step; running requests stay in place."""
+        with self.cv:
+            self.paused = True
+        with self.model_lock:  # wait for a step in flight to finish
+            pass
+
+    def resume(self) -> None:
+        with self.cv:
+            self.paused = False
+            self.cv.notify_all()
+
+    def num_active(self) -> int:
+        with self.cv:
+            return len(self.waiting) + len(self.running)
+
+    def stop(self) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+
+    # ---- scheduler -----------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        while True:
+            with self.cv:
+                while not self._stop and (self.paused or not (self.waiting or self.running)):
+                    self.cv.wait(timeout=1.0)
+                if self._stop:
+                    return
+            self.step()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        with self.model_lock:
+            self._drop_aborted()
+            with self.cv:
+                admit = self._admit()
+            if admit:
+                self._prefill(admit)
+            elif self.running:
+                self._decode()
+            self.stats["steps"] += 1
+
+    def _admit(self) -> list[Request]:
+        admit, tokens = [], 0
+        while self.waiting and len(self.running) + len(admit) < self.max_running:
+            n = len(self.waiting[0].input_ids) + len(self.waiting[0].output_ids)
+            if admit and tokens + n > self.max_prefill_tokens:
+                break
+            admit.append(self.waiting.popleft())
+            tokens += n
+        return admit
+
+    def _drop_aborted(self) -> None:
+        with self.cv:
+            for req in [r for r in self.waiting if r.abort_requested]:
+                self.waiting.remove(req)
+                self._finish(req, {"type": "abort"})
+        for i in reversed(range(len(self.running))):
+            if self.running[i].abort_requested:
+                self._finish_running(i, {"type": "abort"})
+
+    def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor):
+        """Logits [B, V] at `logits_at` (each sequence's last new token), and the routing record."""
+        routing = MoeRouting(record=True) if (record and self.args.is_moe) else None
+        ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits_BV = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at)
+        return logits_BV, routing
+
+    def _prefill(self, admit: list[Request]) -> None:
+        base = len(self.running)
+        slots = list(range(base, base + len(admit)))
+        seqs = [r.input_ids + r.output_ids for r in admit]  # output_ids non-empty when continuing a partial rollout
+        ctx = CacheAttention(self.cache, slots, [0] * len(admit), [len(s) for s in seqs], self.device)
+        record = any(r.return_routed_experts for r in admit)
+        ends = torch.cumsum(torch.tensor([len(s) for s in seqs], device=self.device), 0) - 1
+        logits, routing = self._forward([t for s in seqs for t in s], ctx, record, ends)
+        self.running.extend(admit)
+        for r in admit:
+            r.weight_version = r.weight_version or self.weight_version
+        self._keep_routing(admit, [len(s) for s in seqs], routing)
+        self.stats["prefill_tokens"] += ctx.positions.numel()
+        self._sample_and_advance(admit, logits, base)
+
+    def _decode(self) -> None:
+        reqs = self.running
+        b = len(reqs)
+        ctx = CacheAttention(self.cache, list(range(b)), [r.num_tokens - 1 for r in reqs], [1] * b, self.device)
+        record = any(r.return_routed_experts for r in reqs)
+        logits, routing = self._forward([r.output_ids[-1] for r in reqs], ctx, record,
+                                        torch.arange(b, device=self.device))
+        self._keep_routing(reqs, [1] * b, routing)
+        self.stats["decode_tokens"] += b
+        self._sample_and_advance(list(reqs), logits, 0)
+
+    def _keep_routing(self, reqs: list[Request], counts: list[int], routing: MoeRouting | None) -> None:
+        if routing is None:
+            return
+        stacked_NLk = torch.stack(routing.recorded, dim=1).to("cpu", torch.int16)
+        for r, chunk in zip(reqs, torch.split(stacked_NLk, counts)):
+            if r.return_routed_experts:
+                r.routed.append(chunk)
+
+    def _sample_and_advance(self, reqs: list[Request], logits_BV: torch.Tensor, first_slot: int) -> None:
+        dev = self.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
+        seeds = torch.tensor([r.seed() for r in reqs], dtype=torch.int64, device=dev)
+        pos = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        tokens_B = sample(logits_BV, temp, top_p, top_k, seeds, pos)
+        logps_B = token_logprobs(logits_BV, tokens_B, temp)
+        tokens, logps = tokens_B.tolist(), logps_B.tolist()
+        finished = []
+        for i, r in enumerate(reqs):
+            r.output_ids.append(tokens[i])
+            r.output_logprobs.append(logps[i])
+            reason = self._finish_reason(r, tokens[i])
+            if reason:
+                finished.append((first_slot + i, reason))
+        for slot, reason in sorted(finished, reverse=True):
+            self._finish_running(slot, reason)
+
+    def _finish_reason(self, r: Request, token: int) -> dict | None:
+        stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
+        if token in stops:
+            return {"type": "stop", "matched": token}
+        if len(r.output_ids) >= r.params.max_new_tokens or r.num_tokens >= self.context_length:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _finish_running(self, slot: int, reason: dict) -> None:
+        req = self.running[slot]
+        last = len(self.running) - 1
+        if slot != last:
+            moved = self.running[last]
+            self.cache.move(last, slot, moved.num_tokens)
+            self.running[slot] = moved
+        self.running.pop()
+        self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        req.weight_version = req.weight_version or self.weight_version
+        self.stats["finished"] += 1
+        req.done.set()
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def load_weights(self, named: dict[str, torch.Tensor], version: str) -> None:
+        """Swap in a complete set (or subset) of weights between steps."""
+        params = dict(self.model.named_parameters())
+        with self.model_lock, torch.no_grad():
+            for name, t in named.items():
+                params[name].copy_(t.to(params[name].dtype))
+            self.weight_version = version

@@ -1,0 +1,75 @@
+"""A slot-based KV cache and the attention context that reads and writes it.
+
+Each running request owns one slot: a row of [S, K, T, D] key and value tensors per layer. Running
+requests are kept compacted in slots 0..B-1 (a finishing request's slot is refilled by moving the
+last one down), so a decode step reads a plain slice of the cache instead of gathering rows.
+
+One context class serves prefill (many new tokens per sequence, possibly after a cached prefix) and
+decode (one token per sequence): write the new keys/values at their positions, then attend over the
+slot's first `pos + 1` positions.
+
+Legend: S slots, B sequences in this forward, N stream tokens, K kv heads, H query heads, D head dim,
+T cache length, Q new tokens per sequence (padded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.attention import sdpa_padded
+from pipeline.models.config import ModelArgs
+
+
+class KVCache:
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device):
+        shape = (num_slots, args.num_key_value_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions into slot dst (compaction)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+
+class CacheAttention:
+    """Attention for sequences b=0..B-1 in slots `slots_B`, each adding `new_B[b]` tokens after `start_B[b]` cached ones."""
+
+    def __init__(self, cache: KVCache, slots_B: list[int], start_B: list[int], new_B: list[int], device):
+        self.cache = cache
+        b = len(slots_B)
+        self.contiguous = slots_B == list(range(b))
+        self.slots = torch.tensor(slots_B, dtype=torch.long, device=device)
+        start = torch.tensor(start_B, dtype=torch.long, device=device)
+        new = torch.tensor(new_B, dtype=torch.long, device=device)
+        seq_of_token = torch.repeat_interleave(torch.arange(b, device=device), new)
+        offsets = torch.cumsum(new, 0) - new
+        j = torch.arange(int(new.sum()), device=device) - offsets[seq_of_token]
+        self.positions = start[seq_of_token] + j  # absolute position of each stream token
+        self.token_slot = self.slots[seq_of_token]
+        self.grid_index = (seq_of_token, j)
+        self.q_len = int(new.max())
+        self.kv_len = int((start + new).max())
+        assert self.kv_len <= cache.max_len, "sequence longer than the engine's KV cache"
+        t = torch.arange(self.kv_len, device=device)
+        qpos_BQ = start[:, None] + torch.arange(self.q_len, device=device)[None, :]
+        valid_BQ = torch.arange(self.q_len, device=device)[None, :] < new[:, None]
+        mask = t[None, None, :] <= qpos_BQ[:, :, None]
+        # Padded query rows attend to position 0 only (their output is discarded).
+        self.mask_BQT = torch.where(valid_BQ[:, :, None], mask, t[None, None, :] == 0)
+        self.batch = b
+
+    def attend(self, layer_idx, q_NHD, k_NKD, v_NKD):
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        kc[self.token_slot, :, self.positions] = k_NKD
+        vc[self.token_slot, :, self.positions] = v_NKD
+        if self.contiguous:
+            k_BKTD, v_BKTD = kc[: self.batch, :, : self.kv_len], vc[: self.batch, :, : self.kv_len]
+        else:
+            k_BKTD, v_BKTD = kc[self.slots, :, : self.kv_len], vc[self.slots, :, : self.kv_len]
+        q_BQHD = q_NHD.new_zeros(self.batch, self.q_len, *q_NHD.shape[1:])
+        q_BQHD[self.grid_index] = q_NHD
+        o_BHQD = sdpa_padded(q_BQHD.transpose(1, 2), k_BKTD, v_BKTD, self.mask_BQT)
+        return o_BHQD.transpose(1, 2)[self.grid_index]

@@ -1,0 +1,73 @@
+"""Seeded, batch-invariant sampling: Gumbel-max with counter-based noise.
+
+Each request carries a sampling seed. The noise for its token at output position p and vocab entry v
+is a hash of (seed, p, v) — no generator state — so a request samples the same tokens whatever else
+is in the batch, on any device, and after a restart. argmax(logits / T + Gumbel) draws exactly from
+softmax(logits / T) restricted to the top-k / top-p set.
+
+Legend: B rows (requests), V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.logprobs import GREEDY_EPS, scaled_logits
+
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
+_MASK53 = (1 << 53) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic; logical shifts emulated by masking)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _M2
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _M3
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return x
+
+
+def hash_uniform(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), [B, V], a pure function of (seed, position, vocab index)."""
+    v = torch.arange(vocab, device=seeds_B.device, dtype=torch.int64)
+    key = _mix(seeds_B.to(torch.int64) * _M1 + positions_B.to(torch.int64))
+    x = _mix(key[:, None] + v[None, :] * _M1)
+    bits = (x >> 11) & _MASK53
+    return (bits.double() + 0.5) / float(1 << 53)
+
+
+def truncation_mask(logits_BV: torch.Tensor, top_p_B: torch.Tensor, top_k_B: torch.Tensor) -> torch.Tensor:
+    """True for tokens kept by top-k (k<=0: all) and top-p (the smallest set with mass >= p)."""
+    sorted_logits, order = torch.sort(logits_BV, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum = probs.cumsum(-1)
+    rank = torch.arange(logits_BV.shape[-1], device=logits_BV.device)[None, :]
+    keep_sorted = (cum - probs) < top_p_B[:, None].to(cum.dtype)  # mass before this token < p
+    keep_sorted &= (top_k_B[:, None] <= 0) | (rank < top_k_B[:, None])
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted)
+    keep.scatter_(-1, order, keep_sorted)
+    return keep
+
+
+def sample(
+    logits_BV: torch.Tensor,
+    temperature_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    top_k_B: torch.Tensor,
+    seeds_B: torch.Tensor,
+    positions_B: torch.Tensor,
+) -> torch.Tensor:
+    """Next token per row. Rows with temperature ~0 take the argmax."""
+    scaled = scaled_logits(logits_BV, temperature_B)
+    needs_trunc = bool(((top_p_B < 1.0) | (top_k_B > 0)).any())
+    if needs_trunc:
+        scaled = scaled.masked_fill(~truncation_mask(scaled, top_p_B, top_k_B), float("-inf"))
+    gumbel = -torch.log(-torch.log(hash_uniform(seeds_B, positions_B, logits_BV.shape[-1])))
+    noisy = scaled.double() + gumbel
+    greedy = temperature_B < GREEDY_EPS
+    noisy = torch.where(greedy[:, None], scaled.double(), noisy)
+    return noisy.argmax(-1)

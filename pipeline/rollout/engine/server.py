@@ -1,0 +1,240 @@
+"""The built-in engine as an HTTP server speaking SGLang's protocol subset.
+
+Endpoints (same paths, bodies and response shapes as `sglang.launch_server`):
+  GET  /health, /health_generate, /get_model_info, /get_server_info, /get_weight_version
+  POST /generate                 input_ids (one or a batch), sampling_params, return_logprob, return_routed_experts, rid
+  POST /abort_request            rid | abort_all
+  POST /flush_cache, /pause_generation, /continue_generation
+  POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
+  POST /update_weights_from_disk model_path
+So the rollout manager's client is the one a SGLang cluster uses.
+
+Run it as `python -m pipeline.rollout.engine.server --model-path DIR --port N ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import torch
+
+from pipeline.rollout.engine.core import Engine, Request, SamplingParams
+from pipeline.weights.receiver import WeightReceiver
+
+log = logging.getLogger("lockstep.engine")
+
+
+def encode_routed_experts(chunks: list[torch.Tensor]) -> str:
+    """[tokens, moe_layers, top_k] int32, base64 of the raw little-endian bytes (SGLang's format)."""
+    if not chunks:
+        return ""
+    arr = torch.cat(chunks).to(torch.int32).numpy().astype("<i4")
+    return base64.b64encode(arr.tobytes()).decode()
+
+
+def build_response(req: Request, return_logprob: bool, return_routed: bool, tokenizer) -> dict:
+    meta = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": 0,
+        "weight_version": req.weight_version,
+        "e2e_latency": time.monotonic() - req.submitted,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)]
+    if return_routed:
+        meta["routed_experts"] = encode_routed_experts(req.routed)
+    text = tokenizer.decode(req.output_ids) if tokenizer is not None else ""
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+class EngineServer:
+    def __init__(self, engine: Engine, model_path: str, tokenizer=None, api_key: str | None = None):
+        self.engine, self.model_path, self.tokenizer, self.api_key = engine, model_path, tokenizer, api_key
+        self.receiver = WeightReceiver(engine)
+        self.started = time.time()
+
+    # Each handler returns (status, json-able body).
+    def generate(self, body: dict):
+        ids = body.get("input_ids")
+        if ids is None:
+            return HTTPStatus.BAD_REQUEST, {"error": "input_ids is required (this engine does not tokenize text)"}
+        batch = bool(ids) and isinstance(ids[0], list)
+        ids_list = ids if batch else [ids]
+        n = len(ids_list)
+        sp = body.get("sampling_params")
+        sp_list = sp if isinstance(sp, list) else [sp] * n
+        rid = body.get("rid")
+        rids = rid if isinstance(rid, list) else ([f"{rid}-{i}" for i in range(n)] if (rid and batch) else [rid] * n)
+        return_logprob = bool(body.get("return_logprob", False))
+        return_routed = bool(body.get("return_routed_experts", False))
+        reqs = []
+        for i in range(n):
+            req = Request(input_ids=list(ids_list[i]), params=SamplingParams.from_json(sp_list[i]),
+                          return_routed_experts=return_routed)
+            if rids[i]:
+                req.rid = str(rids[i])
+            reqs.append(self.engine.submit(req))
+        for req in reqs:
+            req.done.wait()
+        out = [build_response(r, return_logprob, return_routed, self.tokenizer) for r in reqs]
+        return HTTPStatus.OK, out if batch else out[0]
+
+    def route(self, method: str, path: str, body: dict):
+        e = self.engine
+        if path in ("/health", "/health_generate"):
+            return HTTPStatus.OK, {"status": "ok"}
+        if path == "/get_model_info":
+            return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True, "weight_version": e.weight_version}
+        if path == "/get_server_info":
+            return HTTPStatus.OK, {"model_path": self.model_path, "max_running_requests": e.max_running,
+                                   "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
+                                   "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
+        if path == "/get_weight_version":
+            return HTTPStatus.OK, {"weight_version": e.weight_version}
+        if method != "POST" and path not in ("/flush_cache",):
+            return HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{path} needs POST"}
+        if path == "/generate":
+            return self.generate(body)
+        if path == "/abort_request":
+            n = e.abort(body.get("rid"), bool(body.get("abort_all", False)))
+            return HTTPStatus.OK, {"success": True, "aborted": n}
+        if path == "/flush_cache":
+            return HTTPStatus.OK, {"success": True, "message": "no prefix cache to flush"}
+        if path == "/pause_generation":
+            e.pause()
+            return HTTPStatus.OK, {"success": True}
+        if path == "/continue_generation":
+            e.resume()
+            return HTTPStatus.OK, {"success": True}
+        if path == "/init_weights_update_group":
+            return self._result(self.receiver.init_group(body))
+        if path == "/update_weights_from_distributed":
+            return self._result(self.receiver.update_from_distributed(body))
+        if path == "/destroy_weights_update_group":
+            return self._result(self.receiver.destroy_group(body))
+        if path == "/update_weights_from_disk":
+            return self._result(self.receiver.update_from_disk(body))
+        return HTTPStatus.NOT_FOUND, {"error": f"unknown endpoint {path}"}
+
+    @staticmethod
+    def _result(res: tuple[bool, str]):
+        ok, msg = res
+        return (HTTPStatus.OK if ok else HTTPStatus.BAD_REQUEST), {"success": ok, "message": msg}
+
+
+def make_handler(server: EngineServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # route access logs through logging at debug level
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _handle(self, method: str):
+            if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                return self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            try:
+                body = json.loads(raw) if raw else {}
+            except json.JSONDecodeError:
+                return self._send(HTTPStatus.BAD_REQUEST, {"error": "body is not JSON"})
+            path = self.path.split("?")[0]
+            try:
+                status, out = server.route(method, path, body)
+            except Exception as exc:  # report to the client, keep serving
+                log.exception("request %s failed", path)
+                status, out = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(exc).__name__}: {exc}"}
+            self._send(status, out)
+
+        def _send(self, status, out):
+            data = json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._handle("GET")
+
+        def do_POST(self):
+            self._handle("POST")
+
+    return Handler
+
+
+def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | None = None) -> None:
+    httpd = ThreadingHTTPServer((host, port), make_handler(engine_server))
+    httpd.daemon_threads = True
+    actual_port = httpd.server_address[1]
+    sched = threading.Thread(target=engine_server.engine.run_forever, name="scheduler", daemon=True)
+    sched.start()
+    url = f"http://{host}:{actual_port}"
+    log.info("engine serving on %s", url)
+    if ready_file:
+        from pipeline.launch.rendezvous import publish
+
+        publish(ready_file, {"url": url, "host": host, "port": actual_port, "pid": os.getpid()})
+    try:
+        httpd.serve_forever(poll_interval=0.2)
+    finally:
+        engine_server.engine.stop()
+        httpd.server_close()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Lockstep built-in engine (SGLang HTTP protocol subset)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
+    p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving (rendezvous)")
+    p.add_argument("--true-on-policy", action="store_true", help="batch-invariant kernels")
+    return p.parse_args(argv)
+
+
+def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int):
+    from pipeline.models.hf_io import load_model
+    from pipeline.models.tokenizer import load_tokenizer
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    tdtype = getattr(torch, dtype)
+    _, model = load_model(model_path, dtype=tdtype, device=dev)
+    tokenizer = load_tokenizer(model_path)
+    engine = Engine(model, max_running=max_running, context_length=context_length,
+                    eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype)
+    return engine, tokenizer
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.num_threads)
+    engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,
+                                     max_running=args.max_running_requests, context_length=args.context_length)
+    if args.true_on_policy:
+        from kernels import enable_batch_invariant_mode
+
+        enable_batch_invariant_mode()
+    serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Reward functions: a registry of names plus any `module:function` (or `module.function`) path.
+
+A reward function takes (response_text, label, metadata) and returns a float, or a dict of named
+components that includes "score". A function that raises marks that sample failed (reward 0, status
+failed, counted in rollout/reward_failed) instead of ending the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Callable
+
+from pipeline.errors import UserError
+
+RewardFn = Callable[[str, Any, dict], "float | dict[str, float]"]
+
+_LEADING_INT = re.compile(r"^\s*(-?\d+)")
+_LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def arith_reward(response: str, label: Any, metadata: dict) -> float:
+    """1 if the response starts with the right integer, else 0 (extra text after it is ignored)."""
+    m = _LEADING_INT.match(response)
+    return 1.0 if m and m.group(1) == str(label).strip() else 0.0
+
+
+def exact_match_reward(response: str, label: Any, metadata: dict) -> float:
+    return 1.0 if response.strip() == str(label).strip() else 0.0
+
+
+def math_reward(response: str, label: Any, metadata: dict) -> float:
+    """Compare the \\boxed{} answer (else the last number in the response) with the label numerically."""
+    boxed = _BOXED.findall(response)
+    candidate = boxed[-1] if boxed else (_LAST_NUMBER.findall(response) or [None])[-1]
+    if candidate is None:
+        return 0.0
+    try:
+        return 1.0 if abs(float(candidate) - float(str(label))) < 1e-6 else 0.0
+    except ValueError:
+        return 1.0 if candidate.strip() == str(label).strip() else 0.0
+
+
+REGISTRY: dict[str, RewardFn] = {
+    "arith": arith_reward,
+    "exact_match": exact_match_reward,
+    "math": math_reward,
+}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+    elif "." in name:
+        module, _, attr = name.rpartition(".")
+    else:
+        raise UserError(f"rollout.rm_type {name!r}: not one of {sorted(REGISTRY)} and not a 'module:function' path")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"rollout.rm_type {name!r}: cannot import ({e})") from None
+    if not callable(fn):
+        raise UserError(f"rollout.rm_type {name!r} is not callable")
+    return fn
+
+
+def score(fn: RewardFn, response: str, label: Any, metadata: dict) -> tuple[float, dict[str, float], str | None]:
+    """Run a reward function; returns (score, components, error message or None)."""
+    try:
+        out = fn(response, label, metadata)
+    except Exception as e:  # a user's reward function failing must not end a week-long run
+        return 0.0, {}, f"{type(e).__name__}: {e}"
+    if isinstance(out, dict):
+        if "score" not in out:
+            return 0.0, {}, "reward function returned a dict without 'score'"
+        comps = {k: float(v) for k, v in out.items() if k != "score"}
+        return float(out["score"]), comps, None
+    return float(out), {}, None

@@ -1,0 +1,91 @@
+"""Checkpoints: torch DCP for model + optimizer + scheduler, a JSON record of everything else.
+
+Layout: run_dir/checkpoints/step_000012/ with DCP files and trainer_state.json (step, weight
+version, data cursor, RNG). A checkpoint is written under a temp name and renamed only when complete,
+so a kill during save leaves the previous one valid; the last `keep_last` are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json
+
+STATE_NAME = "trainer_state.json"
+
+
+def ckpt_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def ckpt_dir(run_dir: str, step: int) -> str:
+    return os.path.join(ckpt_root(run_dir), f"step_{step:06d}")
+
+
+def list_checkpoints(run_dir: str) -> list[int]:
+    root = ckpt_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        if name.startswith("step_") and os.path.exists(os.path.join(root, name, STATE_NAME)):
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def latest_checkpoint(run_dir: str) -> int | None:
+    steps = list_checkpoints(run_dir)
+    return steps[-1] if steps else None
+
+
+def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep_last: int) -> str:
+    """Collective. `step` is the number of completed rollout steps."""
+    final = ckpt_dir(run_dir, step)
+    tmp = os.path.join(ckpt_root(run_dir), f".step_{step:06d}.tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dist.barrier()
+    if rank == 0:
+        full = dict(state, step=step, scheduler=scheduler.state_dict(), torch_rng=torch.get_rng_state().tolist())
+        atomic_write_json(os.path.join(tmp, STATE_NAME), full)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(ckpt_root(run_dir))
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(ckpt_dir(run_dir, old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(run_dir: str, step: int, model, optimizer, scheduler) -> dict:
+    """Collective. Restores model, optimizer and scheduler in place; returns the trainer state record."""
+    path = ckpt_dir(run_dir, step)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    record = read_json(os.path.join(path, STATE_NAME))
+    scheduler.load_state_dict(record["scheduler"])
+    torch.set_rng_state(torch.tensor(record["torch_rng"], dtype=torch.uint8))
+    return record
+
+
+def clean_partial(run_dir: str) -> None:
+    """Remove half-written checkpoint directories left by a kill during save."""
+    root = ckpt_root(run_dir)
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)

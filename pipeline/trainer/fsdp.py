@@ -1,0 +1,97 @@
+"""The FSDP2 training backend: sharded model and optimizer, logprob forward, full-weight export.
+
+Every decoder layer and the root are wrapped with `fully_shard` over a 1-D mesh of all trainer
+ranks (gloo on CPU, NCCL/RCCL on GPUs). Master weights stay fp32; with model.dtype=bfloat16 the
+forward runs in bf16 through FSDP's mixed-precision policy, which casts exactly as the engine's bf16
+weights are cast, so true on-policy mode sees the same numbers on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from pipeline.config.schema import RunConfig
+from pipeline.models.hf_io import load_model
+from pipeline.models.logprobs import entropy, token_logprobs
+from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
+from pipeline.trainer.batching import MicroBatch
+
+
+def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype) -> Qwen3ForCausalLM:
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+class FSDPBackend:
+    def __init__(self, cfg: RunConfig, model_dir: str, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.compute_dtype = getattr(torch, cfg.model.dtype)
+        self.world = dist.get_world_size()
+        self.mesh = init_device_mesh(device.type, (self.world,))
+        self.args, model = load_model(model_dir, dtype=torch.float32, device=device)
+        self.model = shard(model, self.mesh, self.compute_dtype)
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                                           weight_decay=t.weight_decay, eps=1e-8)
+        warmup = max(t.lr_warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.ref_model = None
+        if cfg.algo.kl_loss_coef > 0:
+            _, ref = load_model(model_dir, dtype=torch.float32, device=device)
+            ref.requires_grad_(False)
+            self.ref_model = shard(ref, self.mesh, self.compute_dtype)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False):
+        """Per-token logprobs [M] of the micro-batch's response tokens (and the MoE routing state)."""
+        model = model or self.model
+        routing = MoeRouting(replay_NLk=mb.replay_NLk if replay else None) if self.args.is_moe else None
+        logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing, logits_at_M=mb.score_pos_M)
+        temp = self.cfg.rollout.rollout_temperature
+        logp_M = token_logprobs(logits_MV, mb.targets_M, temp)
+        ent_M = entropy(logits_MV, temp) if want_entropy else None
+        return logp_M, ent_M, routing
+
+    @torch.no_grad()
+    def ref_logprobs(self, mb: MicroBatch, replay: bool = False) -> torch.Tensor:
+        return self.logprobs(mb, model=self.ref_model, replay=replay)[0]
+
+    # ---- optimizer --------------------------------------------------------------------------------
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip, step, zero. Returns (grad norm, stepped); a non-finite norm skips the update."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.cfg.train.clip_grad
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norm = float(norm)
+        stepped = math.isfinite(norm)
+        if stepped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, stepped
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---- weights out -------------------------------------------------------------------------------
+    def full_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) one parameter at a time. Collective: every rank must iterate."""
+        for name, p in self.model.state_dict().items():
+            if self.args.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, t.detach().to(dtype or t.dtype)

@@ -1,0 +1,235 @@
+"""The trainer: ask for rollouts, train on them, push weights, log, checkpoint — one step at a time.
+
+Run one process per rank (torchrun-style env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Rank 0
+also drives the control files and the weight broadcast to the engines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.algo.advantages import grpo_advantages
+from pipeline.algo.losses import grpo_loss
+from pipeline.buffer.reader import BufferReader
+from pipeline.buffer.schema import RolloutBatch
+from pipeline.config import load_resolved
+from pipeline.config.schema import RunConfig
+from pipeline.launch import rendezvous as rdzv
+from pipeline.launch.layout import RunLayout
+from pipeline.observability.metrics import MetricsWriter
+from pipeline.rollout.client import EngineClient
+from pipeline.trainer import checkpoint
+from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
+from pipeline.trainer.fsdp import FSDPBackend
+from pipeline.weights.broadcast import BroadcastSender
+
+log = logging.getLogger("lockstep.trainer")
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def all_reduce(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: str):
+        self.cfg, self.layout = cfg, RunLayout(run_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
+        self.backend = FSDPBackend(cfg, self.layout.model_dir(cfg), self.device)
+        self.reader = BufferReader(self.layout.buffer)
+        self.sender: BroadcastSender | None = None
+        self.metrics: MetricsWriter | None = None
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.cfg
+        start = self.resume()
+        if self.rank == 0:
+            self.metrics = MetricsWriter(self.layout.root, start_step=start)
+            self.connect_engines()
+        if start > 0:
+            self.sync_weights(version=start)  # engines loaded version 0 from disk
+        for step in range(start, cfg.num_rollout):
+            t0 = time.monotonic()
+            batch, rollout_info = self.get_rollout(step, version=step)
+            t1 = time.monotonic()
+            train_metrics = self.train_on(batch)
+            t2 = time.monotonic()
+            sync = self.sync_weights(version=step + 1)
+            t3 = time.monotonic()
+            perf = {"perf/step_time_s": t3 - t0, "perf/rollout_time_s": t1 - t0, "perf/train_time_s": t2 - t1,
+                    "perf/weight_sync_time_s": t3 - t2}
+            self.log_step(step, rollout_info, train_metrics, perf, sync)
+            if self.should_save(step + 1):
+                self.save(step + 1)
+        self.finish()
+
+    # ---- pieces --------------------------------------------------------------------------------------
+    def resume(self) -> int:
+        checkpoint.clean_partial(self.layout.root)
+        latest = checkpoint.latest_checkpoint(self.layout.root)
+        if latest is None:
+            return 0
+        b = self.backend
+        record = checkpoint.load(self.layout.root, latest, b.model, b.optimizer, b.scheduler)
+        log.info("resumed from checkpoint step %d", latest)
+        return int(record["step"])
+
+    def connect_engines(self) -> None:
+        urls = rdzv.engine_urls(self.layout.root, self.cfg.engine.num_engines)
+        clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=os.environ.get("LOCKSTEP_API_KEY"))
+                   for u in urls]
+        host = os.environ.get("LOCKSTEP_WEIGHTS_HOST", "127.0.0.1")
+        self.sender = BroadcastSender(self.cfg.weights, clients, self.device, host,
+                                      publish_path=os.path.join(rdzv.rdzv_dir(self.layout.root), "weights.json"))
+        self.sender.connect()
+
+    def get_rollout(self, step: int, version: int) -> tuple[RolloutBatch, dict]:
+        if self.rank == 0:
+            rdzv.request_step(self.layout.root, step, version)
+        commit = self.reader.wait_for_step(step, timeout_s=self.cfg.rollout.request_timeout_s * 50)
+        return self.reader.read_step(step), commit
+
+    def train_on(self, batch: RolloutBatch) -> dict:
+        cfg, b = self.cfg, self.backend
+        adv_S = grpo_advantages(torch.from_numpy(batch.rewards), torch.from_numpy(batch.group_id),
+                                std_normalization=cfg.algo.grpo_std_normalization).numpy()
+        lengths = (batch.sample_offsets[1:] - batch.sample_offsets[:-1]).tolist()
+        order = np.arange(len(batch))
+        sums: dict[str, float] = {}
+        maxes = {"train/rollout_logprob_max_abs_diff": 0.0}
+        grad_norms, skipped = [], 0
+        for mini in np.array_split(order, cfg.optimizer_steps_per_rollout):
+            plan = self.plan_micro_batches([lengths[i] for i in mini], mini)
+            tokens = sum(w * float(batch.loss_mask[batch.response_slice(i)].sum()) for mb, w in plan for i in mb)
+            (global_tokens,) = all_reduce([tokens], self.device)
+            for mb_idx, weight in plan:
+                mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight)
+                self.train_micro_batch(mb, max(global_tokens, 1.0), sums, maxes)
+            norm, stepped = b.optimizer_step()
+            grad_norms.append(norm)
+            skipped += not stepped
+        return self.reduce_metrics(sums, maxes, grad_norms, skipped)
+
+    def plan_micro_batches(self, lengths: list[int], indices: np.ndarray) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches as (sample indices, weight). Ranks agree on the count: a rank with
+        fewer runs extra weight-0 micro-batches, so FSDP's collectives pair up."""
+        mine = balance_across_ranks(lengths, self.world)[self.rank]
+        bins = pack_micro_batches([lengths[i] for i in mine], self.cfg.train.max_tokens_per_gpu)
+        plan = [([int(indices[mine[i]]) for i in bin_], 1.0) for bin_ in bins]
+        (n,) = all_reduce([len(plan)], self.device, op=dist.ReduceOp.MAX)
+        return plan + [([int(indices[0])], 0.0)] * (int(n) - len(plan))
+
+    def train_micro_batch(self, mb: MicroBatch, normalizer: float, sums: dict, maxes: dict) -> None:
+        cfg, b = self.cfg, self.backend
+        logp_M, ent_M, routing = b.logprobs(mb, want_entropy=cfg.algo.entropy_coef > 0)
+        old_M = logp_M.detach()
+        ref_M = b.ref_logprobs(mb) if b.ref_model is not None else None
+        loss, m = grpo_loss(logp_M, old_M, mb.adv_M, mb.mask_M, eps_clip=cfg.algo.eps_clip,
+                            eps_clip_high=cfg.algo.eps_clip_high, normalizer=normalizer, ref_logp_M=ref_M,
+                            kl_coef=cfg.algo.kl_loss_coef, kl_type=cfg.algo.kl_loss_type, entropy_M=ent_M,
+                            entropy_coef=cfg.algo.entropy_coef)
+        (loss * self.world * mb.weight).backward()  # FSDP averages gradients over ranks; undo that
+        diff_M = (old_M - mb.rollout_logp_M).abs() * mb.mask_M * mb.weight
+        m = {k: float(v) * mb.weight for k, v in m.items() if k.endswith("_sum")}
+        m.update(loss_sum=float(loss.detach()) * mb.weight, logprob_abs_diff_sum=float(diff_M.sum()),
+                 tokens_sum=float(mb.mask_M.sum()) * mb.weight, samples_sum=float(mb.num_samples) * mb.weight)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v
+        if mb.weight and diff_M.numel():
+            maxes["train/rollout_logprob_max_abs_diff"] = max(maxes["train/rollout_logprob_max_abs_diff"],
+                                                              float(diff_M.max()))
+
+    def reduce_metrics(self, sums: dict, maxes: dict, grad_norms: list[float], skipped: int) -> dict:
+        keys = sorted(sums)
+        totals = dict(zip(keys, all_reduce([sums[k] for k in keys], self.device)))
+        mx = dict(zip(maxes, all_reduce(list(maxes.values()), self.device, op=dist.ReduceOp.MAX)))
+        n = max(totals.get("tokens_sum", 0.0), 1.0)
+        out = {
+            "train/loss": totals["loss_sum"] / self.world / max(len(grad_norms), 1),
+            "train/pg_loss": totals.get("pg_loss_sum", 0.0) / n,
+            "train/clipfrac": totals.get("clipfrac_sum", 0.0) / n,
+            "train/approx_kl": totals.get("approx_kl_sum", 0.0) / n,
+            "train/rollout_logprob_abs_diff": totals.get("logprob_abs_diff_sum", 0.0) / n,
+            "train/grad_norm": float(np.mean(grad_norms)),
+            "train/lr": self.backend.lr,
+            "train/tokens": totals.get("tokens_sum", 0.0),
+            "train/skipped_steps": skipped,
+        }
+        if "kl_loss_sum" in totals:
+            out["train/kl_loss"] = totals["kl_loss_sum"] / n
+        if "entropy_sum" in totals:
+            out["train/entropy"] = totals["entropy_sum"] / n
+        out.update(mx)
+        return out
+
+    def sync_weights(self, version: int) -> dict:
+        """Collective: all ranks gather full tensors; rank 0 sends them to the engines."""
+        dtype = getattr(torch, self.cfg.model.dtype)
+        state = self.backend.full_state(dtype)
+        if self.rank == 0:
+            return self.sender.send(state, version)
+        for _ in state:
+            pass
+        return {}
+
+    def log_step(self, step: int, commit: dict, train: dict, perf: dict, sync: dict) -> None:
+        if self.rank != 0:
+            return
+        rollout = commit.get("rollout", {})
+        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf}
+        if sync:
+            record["weights/bytes"] = sync["bytes"]
+            record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
+        self.metrics.write(record)
+
+    def should_save(self, done_steps: int) -> bool:
+        k = self.cfg.checkpoint.save_interval
+        return done_steps == self.cfg.num_rollout or (k > 0 and done_steps % k == 0)
+
+    def save(self, done_steps: int) -> None:
+        b = self.backend
+        checkpoint.save(self.layout.root, done_steps, b.model, b.optimizer, b.scheduler,
+                        {"weight_version": done_steps}, self.cfg.checkpoint.keep_last)
+
+    def finish(self) -> None:
+        if self.cfg.checkpoint.export_hf:
+            self.export_hf()
+        if self.rank == 0:
+            rdzv.request_stop(self.layout.root)
+            if self.sender:
+                self.sender.close()
+
+    def export_hf(self) -> None:
+        from pipeline.models.hf_io import save_model
+
+        state = dict(self.backend.full_state(getattr(torch, self.cfg.model.dtype)))
+        if self.rank == 0:
+            save_model(state, self.backend.args, self.layout.hf_export, tokenizer_dir=self.layout.model_dir(self.cfg))
+
+
+def main(run_dir: str) -> None:
+    cfg = load_resolved(run_dir)
+    torch.set_num_threads(cfg.train.num_threads)
+    backend = "nccl" if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())) else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+    try:
+        Trainer(cfg, run_dir).run()
+    finally:
+        dist.destroy_process_group()

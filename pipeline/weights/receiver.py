@@ -1,0 +1,88 @@
+"""Engine side of weight updates (the built-in engine's handlers for SGLang's weight endpoints).
+
+Buckets are staged and applied together when the request that carries `weight_version` (the last
+bucket) has arrived, so an update cut off half way leaves the engine on its last complete version,
+never a mix of two.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from pipeline.weights.group import broadcast, create_group
+
+log = logging.getLogger("lockstep.weights")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    name = name.removeprefix("torch.")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class WeightReceiver:
+    def __init__(self, engine):
+        self.engine = engine
+        self.groups: dict[str, object] = {}
+        self.staged: dict[str, torch.Tensor] = {}
+        self.lock = threading.Lock()
+        self.last_update_s = 0.0
+
+    def init_group(self, body: dict) -> tuple[bool, str]:
+        try:
+            name = body.get("group_name", "weight_update_group")
+            pg = create_group(body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+                              int(body["world_size"]), body.get("backend", "gloo"),
+                              float(body.get("timeout_s", 300)))
+        except Exception as e:  # reported to the trainer, which fails with this message
+            return False, f"init_weights_update_group failed: {type(e).__name__}: {e}"
+        self.groups[name] = pg
+        return True, f"joined group {name}"
+
+    def destroy_group(self, body: dict) -> tuple[bool, str]:
+        name = body.get("group_name", "weight_update_group")
+        self.groups.pop(name, None)
+        self.staged.clear()
+        return True, f"destroyed {name}"
+
+    def update_from_distributed(self, body: dict) -> tuple[bool, str]:
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return False, f"no weight update group {name!r}: call /init_weights_update_group first"
+        pg = self.groups[name]
+        t0 = time.monotonic()
+        with self.lock:
+            try:
+                for tname, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                    t = torch.empty(shape, dtype=parse_dtype(dtype), device=self.engine.device)
+                    broadcast(pg, t, src=0)
+                    self.staged[tname] = t
+            except Exception as e:
+                self.staged.clear()
+                self.groups.pop(name, None)
+                return False, f"weight broadcast failed, kept version {self.engine.weight_version}: {e}"
+            version = body.get("weight_version")
+            if version is None:
+                return True, f"staged {len(body['names'])} tensors"
+            staged, self.staged = self.staged, {}
+        self.engine.load_weights(staged, str(version))
+        self.last_update_s = time.monotonic() - t0
+        return True, f"weights updated to version {version}"
+
+    def update_from_disk(self, body: dict) -> tuple[bool, str]:
+        from pipeline.models.hf_io import read_state_dict
+
+        try:
+            state = read_state_dict(body["model_path"])
+        except Exception as e:
+            return False, f"update_weights_from_disk failed: {e}"
+        if self.engine.model.args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        self.engine.load_weights(state, str(body.get("weight_version", self.engine.weight_version)))
+        return True, f"loaded {body['model_path']}"

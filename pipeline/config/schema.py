@@ -136,6 +136,8 @@ class TrainConfig:
     """AdamW beta1 (Miles: --adam-beta1)."""
     adam_beta2: float = 0.99
     """AdamW beta2 (Miles: --adam-beta2)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon (Miles: --adam-eps)."""
     clip_grad: float = 1.0
     """Gradient-norm clip; 0 disables (Miles: --clip-grad)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -186,7 +188,7 @@ class AlgoConfig:
 class BroadcastWeightsConfig:
     type: Literal["broadcast"] = "broadcast"
     """Trainer rank 0 broadcasts to every engine over a torch.distributed group (NCCL/RCCL on GPUs, gloo on CPU)."""
-    bucket_size_mb: int = 512
+    bucket_size_mb: float = 512.0
     """Tensors are sent in buckets of about this size; one engine update request per bucket."""
     timeout_s: float = 300.0
     """A weight update that has not finished after this many seconds fails with an error (no hang)."""

@@ -122,10 +122,10 @@ class ModelArgs:
         )
         if model_type == "qwen3_moe":
             args.update(
-                num_experts=cfg["num_experts"],
+                num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),  # transformers 5 writes the alias
                 num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
-                norm_topk_prob=cfg.get("norm_topk_prob", True),
+                norm_topk_prob=cfg.get("norm_topk_prob", False),  # transformers' default when absent
                 decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
             )
@@ -180,7 +180,7 @@ class ModelArgs:
 _HF_DERIVED = {
     "architectures", "model_type", "hidden_act", "rope_parameters", "rope_scaling", "torch_dtype", "dtype",
     "attention_dropout", "use_sliding_window", "sliding_window", "max_window_layers", "use_cache",
-    "layer_types", "router_aux_loss_coef", "output_router_logits", "transformers_version",
+    "layer_types", "router_aux_loss_coef", "num_local_experts", "output_router_logits", "transformers_version",
 }
 
 

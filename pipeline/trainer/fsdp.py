@@ -42,7 +42,7 @@ class FSDPBackend:
         self.model = shard(model, self.mesh, self.compute_dtype)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.weight_decay, eps=1e-8)
+                                           weight_decay=t.weight_decay, eps=t.adam_eps)
         warmup = max(t.lr_warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)

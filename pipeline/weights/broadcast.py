@@ -52,7 +52,7 @@ class BroadcastSender:
         t0 = time.monotonic()
         nbytes = 0
         nbuckets = 0
-        for bucket, last in buckets_of(named_tensors, self.cfg.bucket_size_mb << 20):
+        for bucket, last in buckets_of(named_tensors, int(self.cfg.bucket_size_mb * (1 << 20))):
             body = {
                 "names": [n for n, _ in bucket],
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],

@@ -24,7 +24,6 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
 import torch
 
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
@@ -91,6 +90,17 @@ class EngineServer:
         out = [build_response(r, return_logprob, return_routed, self.tokenizer) for r in reqs]
         return HTTPStatus.OK, out if batch else out[0]
 
+    def weights_by_name(self, body: dict):
+        """SGLang's debug endpoint: a parameter's values (first `truncate_size` of the flattened tensor)."""
+        params = dict(self.engine.model.named_parameters())
+        name = body.get("name")
+        if name not in params:
+            return HTTPStatus.BAD_REQUEST, {"error": f"no parameter {name!r}"}
+        with self.engine.model_lock:
+            flat = params[name].detach().float().flatten().cpu()
+        n = int(body.get("truncate_size", 100))
+        return HTTPStatus.OK, flat[:n].tolist() if n >= 0 else flat.tolist()
+
     def route(self, method: str, path: str, body: dict):
         e = self.engine
         if path in ("/health", "/health_generate"):
@@ -103,6 +113,8 @@ class EngineServer:
                                    "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
         if path == "/get_weight_version":
             return HTTPStatus.OK, {"weight_version": e.weight_version}
+        if path == "/get_weights_by_name":
+            return self.weights_by_name(body)
         if method != "POST" and path not in ("/flush_cache",):
             return HTTPStatus.METHOD_NOT_ALLOWED, {"error": f"{path} needs POST"}
         if path == "/generate":

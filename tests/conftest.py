@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny HF model directories and real engine server processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
+torch.set_num_threads(1)
+
+
+def make_model_dir(path: str, preset: str, seed: int = 0, tie: bool = False) -> str:
+    import dataclasses
+
+    from pipeline.models.config import tiny_preset
+    from pipeline.models.hf_io import save_model
+    from pipeline.models.qwen3 import Qwen3ForCausalLM
+    from pipeline.models.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(path + ".tok")
+    args = tiny_preset(preset, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    if tie:
+        args = dataclasses.replace(args, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(args)
+    model.init_weights(seed)
+    with torch.no_grad():  # non-trivial norms, so a test notices a norm weight that is not applied
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    save_model(model.state_dict(), args, path, tokenizer_dir=path + ".tok")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dense_dir(tmp_path_factory) -> str:
+    return make_model_dir(str(tmp_path_factory.mktemp("models") / "dense"), "tiny-dense")
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory) -> str:
+    return make_model_dir(str(tmp_path_factory.mktemp("models") / "moe"), "tiny-moe", seed=1)
+
+
+class EngineProcess:
+    """A built-in engine server in its own process (ended by PID)."""
+
+    def __init__(self, model_dir: str, ready_file: str, extra: list[str] | None = None):
+        self.ready_file = ready_file
+        self.log = open(ready_file + ".log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.rollout.engine.server", "--model-path", model_dir, "--port", "0",
+             "--context-length", "128", "--ready-file", ready_file, *(extra or [])],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        from pipeline.launch.rendezvous import wait_for
+
+        def alive():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited: {open(ready_file + '.log').read()[-2000:]}")
+
+        self.url = wait_for(ready_file, 120, alive)["url"]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def engine_factory(tmp_path):
+    started = []
+
+    def start(model_dir: str, extra: list[str] | None = None) -> EngineProcess:
+        e = EngineProcess(model_dir, str(tmp_path / f"engine_{len(started)}.json"), extra)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+def wait_until(pred, timeout=30.0, poll=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(poll)
+    return False

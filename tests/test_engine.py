@@ -1,0 +1,171 @@
+"""The built-in engine: KV-cache decode equals a full forward, seeded sampling, SGLang's HTTP protocol."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pipeline.models.attention import PackedCausal
+from pipeline.models.hf_io import load_model
+from pipeline.models.logprobs import token_logprobs
+from pipeline.rollout.client import EngineClient, EngineError, EnginePool
+from pipeline.rollout.engine.core import Engine, Request, SamplingParams
+from pipeline.rollout.engine.sampling import hash_uniform, sample, truncation_mask
+
+
+def make_engine(model_dir, max_running=8, context=64):
+    _, model = load_model(model_dir)
+    return Engine(model, max_running=max_running, context_length=context, eos_token_ids=[0],
+                  device=torch.device("cpu"), dtype=torch.float32)
+
+
+def run_all(engine, reqs):
+    for r in reqs:
+        engine.submit(r)
+    while engine.waiting or engine.running:
+        engine.step()
+    assert all(r.done.is_set() for r in reqs)
+    return reqs
+
+
+def full_forward_logprobs(model, prompt, output, temperature):
+    seq = torch.tensor(prompt + output)
+    ctx = PackedCausal.from_lengths([len(seq)])
+    pos = torch.arange(len(prompt) - 1, len(seq) - 1)
+    with torch.no_grad():
+        logits = model(seq, ctx.positions, ctx, logits_at_M=pos)
+    return token_logprobs(logits, torch.tensor(output), temperature)
+
+
+@pytest.mark.parametrize("which", ["dense_dir", "moe_dir"])
+def test_decode_logprobs_match_full_forward(which, request):
+    engine = make_engine(request.getfixturevalue(which))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    reqs = [Request(p, SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True, sampling_seed=i))
+            for i, p in enumerate(prompts)]
+    run_all(engine, reqs)
+    for r in reqs:
+        assert len(r.output_ids) == 12 and r.finish_reason["type"] == "length"
+        ref = full_forward_logprobs(engine.model, r.input_ids, r.output_ids, 0.8)
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, rtol=0, atol=2e-5)
+
+
+def test_sampling_does_not_depend_on_batch_composition(dense_dir):
+    engine = make_engine(dense_dir)
+    alone = run_all(engine, [Request([5, 6, 7], SamplingParams(max_new_tokens=16, ignore_eos=True, sampling_seed=7))])[0]
+    crowd = [Request([9] * n, SamplingParams(max_new_tokens=5 + n, ignore_eos=True, sampling_seed=100 + n))
+             for n in range(1, 6)]
+    target = Request([5, 6, 7], SamplingParams(max_new_tokens=16, ignore_eos=True, sampling_seed=7))
+    run_all(engine, crowd[:2] + [target] + crowd[2:])
+    assert target.output_ids == alone.output_ids
+    other_seed = run_all(engine, [Request([5, 6, 7], SamplingParams(max_new_tokens=16, ignore_eos=True, sampling_seed=8))])[0]
+    assert other_seed.output_ids != alone.output_ids
+
+
+def test_more_requests_than_slots_and_compaction(dense_dir):
+    engine = make_engine(dense_dir, max_running=3)
+    reqs = [Request([5 + i % 7] * (1 + i % 4), SamplingParams(max_new_tokens=1 + (i * 5) % 9, ignore_eos=True,
+                                                              sampling_seed=i)) for i in range(11)]
+    run_all(engine, reqs)
+    for r in reqs:
+        assert len(r.output_ids) == r.params.max_new_tokens
+        ref = full_forward_logprobs(engine.model, r.input_ids, r.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, rtol=0, atol=2e-5)
+
+
+
+def test_greedy_and_stop(dense_dir):
+    engine = make_engine(dense_dir)
+    greedy = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))])[0]
+    again = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True,
+                                                             sampling_seed=99))])[0]
+    assert greedy.output_ids == again.output_ids  # greedy ignores the seed
+    stop_tok = greedy.output_ids[3]
+    first = greedy.output_ids.index(stop_tok)
+    stopped = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0,
+                                                               stop_token_ids=[stop_tok], ignore_eos=True))])[0]
+    assert stopped.output_ids == greedy.output_ids[: first + 1]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_tok}
+
+
+def test_gumbel_sampling_matches_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    n = 20000
+    seeds = torch.arange(n, dtype=torch.int64)
+    toks = sample(logits.expand(n, 4), torch.ones(n), torch.ones(n), torch.full((n,), -1), seeds, torch.zeros(n, dtype=torch.int64))
+    freq = torch.bincount(toks, minlength=4).double() / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0].double(), -1), atol=0.012, rtol=0)
+    u = hash_uniform(seeds[:1000], torch.zeros(1000, dtype=torch.int64), 64)
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+
+
+def test_top_k_top_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = truncation_mask(logits, torch.tensor([0.7]), torch.tensor([-1]))
+    assert keep.tolist() == [[True, True, False, False]]
+    keep = truncation_mask(logits, torch.tensor([1.0]), torch.tensor([3]))
+    assert keep.tolist() == [[True, True, True, False]]
+    toks = sample(logits.expand(500, 4), torch.ones(500), torch.full((500,), 0.7), torch.full((500,), -1),
+                  torch.arange(500), torch.zeros(500, dtype=torch.int64))
+    assert set(toks.tolist()) == {0, 1}
+
+
+# ---- over HTTP, in a separate process ------------------------------------------------------------
+
+
+def test_http_protocol(dense_dir, engine_factory):
+    eng = engine_factory(dense_dir)
+    c = EngineClient(eng.url)
+    assert c.health()
+    one = c.request("POST", "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
+                                          "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+    assert set(one) >= {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == len(one["output_ids"])
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert [x[1] for x in meta["output_token_logprobs"]] == one["output_ids"]
+    gens = c.generate([[5, 6, 7], [8, 9]], [{"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}] * 2)
+    assert gens[0].output_ids == one["output_ids"][:3] and len(gens[1].output_ids) == 3
+    assert c.weight_version() == "0"
+    assert c.request("GET", "/get_model_info")["model_path"] == dense_dir
+    w = c.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 5})
+    _, model = load_model(dense_dir)
+    assert w == model.model.norm.weight[:5].tolist()
+    with pytest.raises(EngineError, match="input_ids is required"):
+        c.request("POST", "/generate", {"text": "hello"})
+    with pytest.raises(EngineError, match="HTTP 404"):
+        c.request("POST", "/no_such_endpoint", {})
+
+
+def test_http_concurrent_requests_and_abort(dense_dir, engine_factory):
+    eng = engine_factory(dense_dir)
+    c = EngineClient(eng.url)
+    results = {}
+
+    def long_request():
+        results["long"] = c.request("POST", "/generate", {"input_ids": [5], "rid": "long-one", "sampling_params": {
+            "max_new_tokens": 100, "ignore_eos": True}})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    import time
+
+    time.sleep(0.3)
+    out = EngineClient(eng.url).request("POST", "/abort_request", {"rid": "long-one"})
+    t.join(30)
+    assert out["aborted"] == 1
+    assert results["long"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(results["long"]["output_ids"]) < 100
+
+
+def test_pool_retries_on_another_engine(dense_dir, engine_factory):
+    good = engine_factory(dense_dir)
+    pool = EnginePool(["http://127.0.0.1:9", good.url], timeout_s=5, max_retries=3)
+    gens = pool.generate([[5, 6]], [{"max_new_tokens": 2, "ignore_eos": True}])
+    assert len(gens[0].output_ids) == 2 and gens[0].engine_url == good.url
+    assert pool.retries <= 1
+    dead = EnginePool(["http://127.0.0.1:9"], timeout_s=2, max_retries=2)
+    with pytest.raises(EngineError, match="after 2 attempts"):
+        dead.generate([[5]], [{"max_new_tokens": 1}])

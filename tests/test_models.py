@@ -1,0 +1,137 @@
+"""The shared model against Hugging Face transformers, and HF checkpoint loading/saving."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from pipeline.models.attention import PackedCausal
+from pipeline.models.config import ModelArgs
+from pipeline.models.hf_io import load_model, read_state_dict, save_model
+from pipeline.models.qwen3 import MoeRouting
+from pipeline.models.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def ours_logits(model, ids_BT):
+    b, t = ids_BT.shape
+    ctx = PackedCausal.from_lengths([t] * b)
+    with torch.no_grad():
+        out = model(ids_BT.flatten(), ctx.positions, ctx, logits_at_M=torch.arange(b * t))
+    return out.view(b, t, -1)
+
+
+@pytest.mark.parametrize("which", ["dense_dir", "moe_dir"])
+def test_logits_match_transformers(which, request):
+    path = request.getfixturevalue(which)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    _, ours = load_model(path)
+    ids = torch.randint(0, ours.args.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = ours_logits(ours, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_sequences_equal_separate_forwards(moe_dir):
+    _, m = load_model(moe_dir)
+    seqs = [torch.randint(0, m.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 3)]
+    packed = torch.cat(seqs)
+    ctx = PackedCausal.from_lengths([len(s) for s in seqs])
+    with torch.no_grad():
+        out = m(packed, ctx.positions, ctx, logits_at_M=torch.arange(len(packed)))
+        alone = torch.cat([ours_logits(m, s[None])[0] for s in seqs])
+    torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_checkpoint_loads_into_ours(tmp_path):
+    """A directory written by transformers' save_pretrained (what users download) loads into our module."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    _, ours = load_model(str(tmp_path / "hf"))
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours_logits(ours, ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_save_roundtrip_bit_exact(dense_dir, tmp_path):
+    args, m = load_model(dense_dir)
+    save_model(m.state_dict(), args, str(tmp_path / "sharded"), tokenizer_dir=dense_dir, max_shard_bytes=20_000)
+    files = os.listdir(tmp_path / "sharded")
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    a, b = read_state_dict(dense_dir), read_state_dict(str(tmp_path / "sharded"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tied_embeddings_roundtrip(tmp_path):
+    from conftest import make_model_dir
+
+    path = make_model_dir(str(tmp_path / "tied"), "tiny-dense", tie=True)
+    args, m = load_model(path)
+    assert args.tie_word_embeddings and m.lm_head.weight is m.model.embed_tokens.weight
+    assert "lm_head.weight" not in read_state_dict(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(0, args.vocab_size, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours_logits(m, ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_config_json_roundtrip(dense_dir, moe_dir):
+    for path in (dense_dir, moe_dir):
+        raw = json.load(open(os.path.join(path, "config.json")))
+        args = ModelArgs.from_hf(raw)
+        assert ModelArgs.from_hf(args.to_hf()) == args
+    # transformers-5-style rope_parameters are read too
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    del raw["rope_theta"]
+    assert ModelArgs.from_hf(raw).rope_theta == 5e5
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    from pipeline.errors import UserError
+
+    with pytest.raises(UserError, match="model_type 'llama' is not supported"):
+        ModelArgs.from_hf({"model_type": "llama"})
+
+
+def test_routing_record_and_replay(moe_dir):
+    _, m = load_model(moe_dir)
+    ids = torch.randint(0, m.args.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    ctx = PackedCausal.from_lengths([12])
+    with torch.no_grad():
+        rec = MoeRouting(record=True)
+        base = m(ids, ctx.positions, ctx, rec, logits_at_M=torch.arange(12))
+        trace = torch.stack(rec.recorded, 1)  # [N, L, k]
+        assert trace.shape == (12, len(m.args.moe_layers), m.args.num_experts_per_tok)
+        rep = MoeRouting(replay_NLk=trace)
+        again = m(ids, ctx.positions, ctx, rep, logits_at_M=torch.arange(12))
+        assert torch.equal(base, again) and sum(int(x) for x in rep.mismatch) == 0
+        # Replaying different experts changes the output and is counted as a mismatch.
+        other = (trace + 1) % m.args.num_experts
+        rep2 = MoeRouting(replay_NLk=other)
+        changed = m(ids, ctx.positions, ctx, rep2, logits_at_M=torch.arange(12))
+        assert not torch.equal(base, changed) and sum(int(x) for x in rep2.mismatch) > 0
+
+
+def test_tokenizer_loads_like_a_real_one(dense_dir):
+    tok = load_tokenizer(dense_dir)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(dense_dir)
+    text = "3+4=7"
+    assert tok.encode(text) == hf_tok(text, add_special_tokens=False).input_ids
+    assert tok.eos_token_id == hf_tok.eos_token_id
+    assert tok.decode(tok.encode(text) + [tok.eos_token_id]) == text
+    assert "<|im_start|>user" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_transformers_does_not_take_our_kernels_for_hf_kernels():
+    from transformers.utils import import_utils
+
+    assert not import_utils.is_kernels_available()

@@ -3,6 +3,7 @@
   lockstep run CONFIG [key.sub=value ...]      run the job on this machine (engines, rollout, trainer)
   lockstep config show CONFIG [overrides]      print the resolved config
   lockstep config options                      every option with its type, default and meaning
+  lockstep buffer inspect|verify RUN_DIR     per-step table of the rollout buffer / check every checksum
   lockstep summary RUN_DIR                     the end-of-run summary (and reward.png) again
   lockstep data make-arith OUT_DIR             write the synthetic arithmetic task as JSONL
 """
@@ -53,6 +54,17 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_buffer(args) -> int:
+    from pipeline.buffer import tools
+
+    if args.action == "inspect":
+        print(tools.inspect(args.run_dir))
+        return 0
+    ok, report = tools.verify(args.run_dir)
+    print(report)
+    return 0 if ok else 1
+
+
 def cmd_data(args) -> int:
     from pipeline.rollout.tasks import make_arith
 
@@ -80,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="summary and reward plot of a finished run")
     s.add_argument("run_dir")
     s.set_defaults(fn=cmd_summary)
+
+    b = sub.add_parser("buffer", help="inspect or verify a run's rollout buffer")
+    b.add_argument("action", choices=["inspect", "verify"])
+    b.add_argument("run_dir")
+    b.set_defaults(fn=cmd_buffer)
 
     d = sub.add_parser("data", help="write a synthetic task")
     d.add_argument("task", choices=["make-arith"])

@@ -76,3 +76,11 @@ def test_grpo_loss_adds_kl_and_entropy():
     kl = float(kl_estimate(logp, ref, "low_var_kl").sum())
     assert abs(float(full) - (float(base) + 0.1 * kl / 2 - 0.01 * 1.0 / 2)) < 1e-6
     assert abs(float(m["kl_loss_sum"]) - kl) < 1e-6
+
+
+def test_lr_schedule():
+    from pipeline.trainer.fsdp import lr_factor
+
+    assert lr_factor(0, 4, 100, "constant", 0.0) == 0.25 and lr_factor(3, 4, 100, "constant", 0.0) == 1.0
+    assert lr_factor(0, 0, 11, "cosine", 0.1) == 1.0 and abs(lr_factor(10, 0, 11, "cosine", 0.1) - 0.1) < 1e-12
+    assert abs(lr_factor(5, 0, 11, "linear", 0.0) - 0.5) < 1e-12

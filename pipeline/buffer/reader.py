@@ -9,7 +9,6 @@ Lustre needs; it is safe because no file is ever written by two processes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -158,6 +157,14 @@ class BufferReader:
         return {"commit": commit, "parts": [p.get("summary", {}) for p in commit["parts"]]}
 
 
-def load_json_lines(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def select_fresh(batch: RolloutBatch, current_version: int, max_staleness: int) -> tuple[RolloutBatch, int]:
+    """Keep samples generated at most `max_staleness` versions ago (async mode). Returns (batch, dropped)."""
+    keep = np.flatnonzero(batch.weight_version >= current_version - max_staleness)
+    return (batch if len(keep) == len(batch) else batch.select(keep)), len(batch) - len(keep)
+
+
+def aborted_samples(batch: RolloutBatch) -> np.ndarray:
+    """Indices of samples whose generation was aborted (kept in the shard for continuation)."""
+    from pipeline.buffer.schema import STATUS
+
+    return np.flatnonzero(batch.status == STATUS["aborted"])

@@ -9,7 +9,6 @@ Lustre is good at; no file is ever written by two processes, so HDF5 file lockin
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -38,6 +37,11 @@ class WriteOptions:
     compression: str | None = "gzip"  # for token and routing columns; None disables
     compression_level: int = 1
     chunk_rows: int = 1 << 16
+
+    @classmethod
+    def from_config(cls, cfg) -> "WriteOptions":
+        return cls(compression=None if cfg.compression == "none" else cfg.compression,
+                   compression_level=cfg.compression_level)
 
 
 def encode_shard(batch: RolloutBatch, attrs: dict, opts: WriteOptions) -> bytes:
@@ -149,5 +153,12 @@ def clean_uncommitted(buffer_dir: str) -> list[str]:
     return removed
 
 
-def describe_commit(commit: dict) -> str:
-    return json.dumps({k: commit[k] for k in ("step", "num_samples", "num_tokens")})
+def remove_step(buffer_dir: str, step: int) -> None:
+    """Garbage-collect a consumed step (commit record first, so no reader takes a half-deleted step)."""
+    import shutil
+
+    d = step_dir(buffer_dir, step)
+    commit = os.path.join(d, COMMIT_NAME)
+    if os.path.exists(commit):
+        os.unlink(commit)
+    shutil.rmtree(d, ignore_errors=True)

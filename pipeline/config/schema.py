@@ -129,7 +129,11 @@ class TrainConfig:
     lr: float = 3e-3
     """AdamW learning rate (Miles: --lr)."""
     lr_warmup_steps: int = 0
-    """Linear warm-up over this many optimizer steps."""
+    """Linear warm-up over this many optimizer steps (Miles: --lr-warmup-iters)."""
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay from lr to min_lr over the run's optimizer steps (Miles: --lr-decay-style)."""
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule (Miles: --min-lr)."""
     weight_decay: float = 0.0
     """AdamW weight decay (Miles: --weight-decay)."""
     adam_beta1: float = 0.9
@@ -209,6 +213,24 @@ class DeterminismConfig:
 
 
 @dataclass
+class BufferConfig:
+    verify_checksums: bool = True
+    """Check each shard's CRC-32 against its commit record before training on it."""
+    on_corrupt: Literal["error", "skip"] = "error"
+    """A corrupt or truncated shard: stop the run, or skip that part (logged and counted)."""
+    keep_consumed: bool = True
+    """Keep rollout steps on disk after training on them; false deletes each step once it is trained on."""
+    compression: Literal["gzip", "lzf", "none"] = "gzip"
+    """HDF5 filter for token, mask and routing columns (shuffle + this)."""
+    compression_level: int = 1
+    """gzip level (1 is fast and already shrinks routing traces well)."""
+
+    def __post_init__(self):
+        if not 0 <= self.compression_level <= 9:
+            raise ConfigError(f"buffer.compression_level must be in 0..9 (got {self.compression_level})")
+
+
+@dataclass
 class CheckpointConfig:
     save_interval: int = 0
     """Save a checkpoint every this many steps (0: only at the end) (Miles: --save-interval)."""
@@ -253,6 +275,8 @@ class RunConfig:
     """Weight sync from trainer to engines."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     """Bitwise train/inference agreement."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """The HDF5 rollout buffer."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and export."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -26,6 +26,16 @@ from pipeline.observability.report import ProgressBar
 log = logging.getLogger("lockstep.launch")
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies (even by SIGKILL), so no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the launcher's own signal handling still ends its children
+        pass
+
+
 def tail(path: str, lines: int = 15) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -56,6 +66,7 @@ class Supervisor:
         popen = subprocess.Popen(
             [sys.executable, "-m", "pipeline.launch.component", *args],
             stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})), start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         logf.close()
         proc = Proc(name, popen, path)
@@ -97,6 +108,7 @@ def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
     """Run the job to the end; raises ComponentFailed if a component fails."""
     sup = Supervisor(layout)
     bar = ProgressBar(cfg.num_rollout, enabled=progress and cfg.logging.progress)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel / kill: stop children, then exit
     try:
         for i in range(cfg.engine.num_engines):
             sup.start(f"engine_{i}", ["engine", "--run-dir", layout.root, "--index", str(i)])
@@ -119,5 +131,10 @@ def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
         log.warning("interrupted: stopping all components")
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         bar.close()
         sup.stop_all()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -71,12 +71,15 @@ def stop_requested(run_dir: str) -> bool:
     return os.path.exists(stop_file(run_dir))
 
 
-def wait_step_request(run_dir: str, step: int, poll_s: float = 0.02) -> dict | None:
-    """Block until step `step` is requested (returns the request) or the run stops (returns None)."""
-    path = step_request_file(run_dir, step)
+def wait_step_request(run_dir: str, min_step: int, poll_s: float = 0.02) -> dict | None:
+    """Block until some step >= min_step is requested; return the lowest such request, or None once
+    the run stops. (A resumed trainer starts by asking for its checkpoint's step, not for step 0.)"""
+    d = control_dir(run_dir)
     while True:
-        if os.path.exists(path):
-            return read_json(path)
+        steps = [int(n[5:11]) for n in os.listdir(d) if n.startswith("step_") and n.endswith(".json")]
+        pending = sorted(s for s in steps if s >= min_step)
+        if pending:
+            return read_json(step_request_file(run_dir, pending[0]))
         if stop_requested(run_dir):
             return None
         time.sleep(poll_s)

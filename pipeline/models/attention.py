@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+
+import kernels
 
 
 class AttentionContext(Protocol):
@@ -22,12 +23,9 @@ class AttentionContext(Protocol):
         ...
 
 
-def sdpa_padded(q_BHTD, k_BKSD, v_BKSD, mask_BTS) -> torch.Tensor:
-    """Scaled dot-product attention with a boolean mask (True = attend), GQA by head grouping."""
-    h, kv = q_BHTD.shape[1], k_BKSD.shape[1]
-    return F.scaled_dot_product_attention(
-        q_BHTD, k_BKSD, v_BKSD, attn_mask=mask_BTS[:, None], enable_gqa=h != kv
-    )
+def attend_padded(q_BHQD, k_BKTD, v_BKTD, qpos_BQ) -> torch.Tensor:
+    """Query (b, i) attends to keys 0..qpos_BQ[b, i] of sequence b (padding queries carry qpos 0)."""
+    return kernels.attention(q_BHQD, k_BKTD, v_BKTD, qpos_BQ)
 
 
 class PackedCausal:
@@ -50,10 +48,8 @@ class PackedCausal:
         self.grid_index = (seq_of_token, pos_in_seq)  # token i sits at grid[seq, pos]
         self.positions = pos_in_seq
         t = torch.arange(self.max_len, device=device)
-        causal_TT = t[:, None] >= t[None, :]
-        valid_BT = t[None, :] < lengths[:, None]
-        # Padded query rows attend to key 0 so no row is fully masked (their output is discarded).
-        self.mask_BTT = (causal_TT[None] & valid_BT[:, None, :]) | (t[None, None, :] == 0)
+        # Causal: query i sees keys 0..i. Padded query rows see key 0 only (their output is discarded).
+        self.qpos_BT = torch.where(t[None, :] < lengths[:, None], t[None, :], 0)
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> "PackedCausal":
@@ -71,5 +67,5 @@ class PackedCausal:
         q = self.to_grid(q_NHD).transpose(1, 2)
         k = self.to_grid(k_NKD).transpose(1, 2)
         v = self.to_grid(v_NKD).transpose(1, 2)
-        o_BHTD = sdpa_padded(q, k, v, self.mask_BTT)
+        o_BHTD = attend_padded(q, k, v, self.qpos_BT)
         return o_BHTD.transpose(1, 2)[self.grid_index]

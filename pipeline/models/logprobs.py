@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+import kernels
+
 GREEDY_EPS = 1e-5
 
 
@@ -25,10 +27,10 @@ def scaled_logits(logits_MV: torch.Tensor, temperature: float | torch.Tensor) ->
 
 def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature), in fp32. Returns [M]."""
-    logp_MV = torch.log_softmax(scaled_logits(logits_MV, temperature), dim=-1)
+    logp_MV = kernels.log_softmax(scaled_logits(logits_MV, temperature))
     return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
 
 
 def entropy(logits_MV: torch.Tensor, temperature: float) -> torch.Tensor:
-    logp = torch.log_softmax(scaled_logits(logits_MV, temperature), dim=-1)
+    logp = kernels.log_softmax(scaled_logits(logits_MV, temperature))
     return -(logp.exp() * logp).sum(-1)

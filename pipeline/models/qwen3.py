@@ -14,11 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose matmul goes through kernels.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions_N: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -53,10 +58,10 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=args.attention_bias)
+        self.q_proj = Linear(h, self.n_heads * hd, bias=args.attention_bias)
+        self.k_proj = Linear(h, self.n_kv * hd, bias=args.attention_bias)
+        self.v_proj = Linear(h, self.n_kv * hd, bias=args.attention_bias)
+        self.o_proj = Linear(self.n_heads * hd, h, bias=args.attention_bias)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, args.rms_norm_eps)
 
@@ -72,12 +77,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inner: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inner, bias=False)
+        self.up_proj = Linear(hidden, inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 @dataclass
@@ -95,7 +100,7 @@ class MoeRouting:
     replayed: list[torch.Tensor] = field(default_factory=list)
 
     def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
-        probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float)
+        probs_NE = kernels.softmax(logits_NE)
         live_Nk = torch.topk(probs_NE, k, dim=-1).indices
         if self.replay_NLk is not None:
             replay_Nk = self.replay_NLk[:, moe_idx].long()
@@ -122,7 +127,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k, self.norm_topk = args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
 
     def forward(self, x_ND, routing: MoeRouting | None, moe_idx: int):
@@ -177,7 +182,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Qwen3Model(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -12,10 +12,9 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
+from pipeline.buffer.reader import BufferReader
 from pipeline.buffer.schema import RolloutBatch, Sample
-from pipeline.buffer.writer import ShardWriter, clean_uncommitted
+from pipeline.buffer.writer import ShardWriter, WriteOptions, clean_uncommitted
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
 from pipeline.launch import rendezvous as rdzv
@@ -49,7 +48,8 @@ class RolloutManager:
         urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines)
         self.pool = EnginePool(urls, timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
                                api_key=os.environ.get("LOCKSTEP_API_KEY"))
-        self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir)
+        self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
+                                  opts=WriteOptions.from_config(cfg.buffer))
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout")
         self.record_routing = self.args.is_moe and cfg.determinism.routing_replay
 
@@ -63,16 +63,13 @@ class RolloutManager:
             if request is None:
                 log.info("stop requested; rollout manager exits")
                 return
-            if self.writer_has(step):
-                step += 1
-                continue
-            self.run_step(step, int(request["weight_version"]))
+            step = int(request["step"])
+            if BufferReader(self.layout.buffer).is_committed(step):
+                # Generated before a restart by the same weights version (training is deterministic).
+                log.info("step %d already committed; reusing it", step)
+            else:
+                self.run_step(step, int(request["weight_version"]))
             step += 1
-
-    def writer_has(self, step: int) -> bool:
-        from pipeline.buffer.reader import BufferReader
-
-        return BufferReader(self.layout.buffer).is_committed(step)
 
     def run_step(self, step: int, version: int) -> dict:
         t0 = time.monotonic()

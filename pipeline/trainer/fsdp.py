@@ -24,6 +24,17 @@ from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
 from pipeline.trainer.batching import MicroBatch
 
 
+def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based): warm-up, then decay to `floor`."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if style == "constant" or total <= warmup:
+        return 1.0
+    frac = min(max((step - warmup) / max(total - warmup - 1, 1), 0.0), 1.0)
+    shape = 0.5 * (1 + math.cos(math.pi * frac)) if style == "cosine" else 1.0 - frac
+    return floor + (1.0 - floor) * shape
+
+
 def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype) -> Qwen3ForCausalLM:
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -43,9 +54,9 @@ class FSDPBackend:
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                            weight_decay=t.weight_decay, eps=t.adam_eps)
-        warmup = max(t.lr_warmup_steps, 0)
+        total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda s: lr_factor(s, t.lr_warmup_steps, total, t.lr_decay_style, t.min_lr / t.lr))
         self.ref_model = None
         if cfg.algo.kl_loss_coef > 0:
             _, ref = load_model(model_dir, dtype=torch.float32, device=device)

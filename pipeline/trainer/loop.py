@@ -19,6 +19,7 @@ from pipeline.algo.advantages import grpo_advantages
 from pipeline.algo.losses import grpo_loss
 from pipeline.buffer.reader import BufferReader
 from pipeline.buffer.schema import RolloutBatch
+from pipeline.buffer.writer import remove_step
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
 from pipeline.launch import rendezvous as rdzv
@@ -52,7 +53,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
         self.backend = FSDPBackend(cfg, self.layout.model_dir(cfg), self.device)
-        self.reader = BufferReader(self.layout.buffer)
+        self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
+                                   on_corrupt=cfg.buffer.on_corrupt)
         self.sender: BroadcastSender | None = None
         self.metrics: MetricsWriter | None = None
 
@@ -76,6 +78,8 @@ class Trainer:
             perf = {"perf/step_time_s": t3 - t0, "perf/rollout_time_s": t1 - t0, "perf/train_time_s": t2 - t1,
                     "perf/weight_sync_time_s": t3 - t2}
             self.log_step(step, rollout_info, train_metrics, perf, sync)
+            if not cfg.buffer.keep_consumed and self.rank == 0:
+                remove_step(self.layout.buffer, step)
             if self.should_save(step + 1):
                 self.save(step + 1)
         self.finish()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.attention import sdpa_padded
+from pipeline.models.attention import attend_padded
 from pipeline.models.config import ModelArgs
 
 
@@ -53,12 +53,10 @@ class CacheAttention:
         self.q_len = int(new.max())
         self.kv_len = int((start + new).max())
         assert self.kv_len <= cache.max_len, "sequence longer than the engine's KV cache"
-        t = torch.arange(self.kv_len, device=device)
         qpos_BQ = start[:, None] + torch.arange(self.q_len, device=device)[None, :]
         valid_BQ = torch.arange(self.q_len, device=device)[None, :] < new[:, None]
-        mask = t[None, None, :] <= qpos_BQ[:, :, None]
-        # Padded query rows attend to position 0 only (their output is discarded).
-        self.mask_BQT = torch.where(valid_BQ[:, :, None], mask, t[None, None, :] == 0)
+        # Query at absolute position p sees cache positions 0..p; padded query rows see position 0 only.
+        self.qpos_BQ = torch.where(valid_BQ, qpos_BQ, 0)
         self.batch = b
 
     def attend(self, layer_idx, q_NHD, k_NKD, v_NKD):
@@ -71,5 +69,5 @@ class CacheAttention:
             k_BKTD, v_BKTD = kc[self.slots, :, : self.kv_len], vc[self.slots, :, : self.kv_len]
         q_BQHD = q_NHD.new_zeros(self.batch, self.q_len, *q_NHD.shape[1:])
         q_BQHD[self.grid_index] = q_NHD
-        o_BHQD = sdpa_padded(q_BQHD.transpose(1, 2), k_BKTD, v_BKTD, self.mask_BQT)
+        o_BHQD = attend_padded(q_BQHD.transpose(1, 2), k_BKTD, v_BKTD, self.qpos_BQ)
         return o_BHQD.transpose(1, 2)[self.grid_index]

@@ -1,0 +1,71 @@
+"""The ops the model calls. Each picks: default torch op, or (in batch-invariant mode) the Triton
+kernel on GPUs / the batch-invariant torch path on CPUs. See kernels/__init__.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import torch_ref
+from kernels.dispatch import use_triton
+
+
+def _bi() -> bool:
+    from kernels import is_batch_invariant
+
+    return is_batch_invariant()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if not _bi():
+        return F.linear(x, weight, bias)
+    if use_triton(x):
+        from kernels.matmul import bi_linear
+
+        return bi_linear(x, weight, bias)
+    return torch_ref.linear(x, weight, bias)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    if not _bi() or x.is_cuda:  # elementwise on GPUs: every element runs the same instructions
+        return F.silu(x)
+    return torch_ref.silu(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _bi() and use_triton(x):
+        from kernels.rms_norm import bi_rms_norm
+
+        return bi_rms_norm(x, weight, eps)
+    return torch_ref.rms_norm(x, weight, eps)  # row reductions over the last dim: invariant on CPU
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the last dim."""
+    if not _bi():
+        return torch.log_softmax(x.float(), dim=-1)
+    if use_triton(x):
+        from kernels.log_softmax import bi_log_softmax
+
+        return bi_log_softmax(x)
+    return torch_ref.log_softmax(x)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim."""
+    if not _bi():
+        return torch.softmax(x, dim=-1, dtype=torch.float)
+    return torch.exp(log_softmax(x))
+
+
+def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
+    """Causal GQA attention: query (b, i) attends to keys 0..qpos_BQ[b, i]. Returns [B, H, Q, D]."""
+    if not _bi():
+        h, g, t = q_BHQD.shape[1], k_BGTD.shape[1], k_BGTD.shape[2]
+        mask_BQT = torch.arange(t, device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
+        return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
+    if use_triton(q_BHQD):
+        from kernels.attention import bi_attention
+
+        return bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
+    return torch_ref.attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)

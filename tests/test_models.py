@@ -111,12 +111,12 @@ def test_routing_record_and_replay(moe_dir):
         base = m(ids, ctx.positions, ctx, rec, logits_at_M=torch.arange(12))
         trace = torch.stack(rec.recorded, 1)  # [N, L, k]
         assert trace.shape == (12, len(m.args.moe_layers), m.args.num_experts_per_tok)
-        rep = MoeRouting(replay_NLk=trace)
+        rep = MoeRouting(trace_NLk=trace, replay=True)
         again = m(ids, ctx.positions, ctx, rep, logits_at_M=torch.arange(12))
         assert torch.equal(base, again) and sum(int(x) for x in rep.mismatch) == 0
         # Replaying different experts changes the output and is counted as a mismatch.
         other = (trace + 1) % m.args.num_experts
-        rep2 = MoeRouting(replay_NLk=other)
+        rep2 = MoeRouting(trace_NLk=other, replay=True)
         changed = m(ids, ctx.positions, ctx, rep2, logits_at_M=torch.arange(12))
         assert not torch.equal(base, changed) and sum(int(x) for x in rep2.mismatch) > 0
 

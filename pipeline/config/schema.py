@@ -150,6 +150,8 @@ class TrainConfig:
     """torch intra-op threads of each trainer rank on CPU."""
     seed: int = 1234
     """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
+    recompute_activations: bool = False
+    """Activation checkpointing of every decoder layer (Miles: --recompute-granularity full)."""
     dist_timeout_s: float = 600.0
     """Timeout of trainer collectives before a hung peer is reported."""
 
@@ -210,6 +212,8 @@ class DeterminismConfig:
     """Batch-invariant kernels in engine and trainer: engine and trainer logprobs equal bit for bit."""
     routing_replay: bool = False
     """R3: engines record each token's experts, the trainer's MoE routers replay them (MoE models only)."""
+    record_routing: bool = True
+    """MoE models: engines return routed experts even without R3, so the routing mismatch is measured."""
 
 
 @dataclass

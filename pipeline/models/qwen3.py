@@ -11,8 +11,6 @@ Legend: N tokens, D hidden, H query heads, K kv heads, Hd head dim, V vocab, E e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -85,38 +83,48 @@ class MLP(nn.Module):
         return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-@dataclass
 class MoeRouting:
-    """Per-forward routing state: record the live top-k experts, or replay given ones (R3).
+    """Per-forward routing state: record live top-k experts, and compare with (or replay, R3) a trace.
 
-    replay_NLk: expert ids [N, num_moe_layers, k] to use instead of the live top-k (rollout routing
-    replay). When replaying, `mismatch` counts, per MoE layer, tokens whose live top-k set differs.
+    trace_NLk: the engine's expert ids [N, num_moe_layers, k]; rows of -1 mean "no trace" (route live).
+    replay: route by the trace instead of the live top-k (rollout routing replay).
+    mismatch/compared count, per MoE layer, traced tokens whose live top-k set differs from the trace.
+    A recompute (activation checkpointing) routes identically: the trace is read, never consumed.
+    A plain class on purpose: FSDP2 rebuilds dataclass arguments when it casts forward inputs, which
+    would send the recorded lists to a copy.
     """
 
-    replay_NLk: torch.Tensor | None = None
-    record: bool = False
-    recorded: list[torch.Tensor] = field(default_factory=list)
-    mismatch: list[torch.Tensor] = field(default_factory=list)
-    replayed: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, trace_NLk: torch.Tensor | None = None, replay: bool = False, record: bool = False):
+        self.trace_NLk, self.replay, self.record = trace_NLk, replay, record
+        self.recorded: list[torch.Tensor] = []
+        self.mismatch: list[torch.Tensor] = []
+        self.compared: list[torch.Tensor] = []
 
     def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
         probs_NE = kernels.softmax(logits_NE)
         live_Nk = torch.topk(probs_NE, k, dim=-1).indices
-        if self.replay_NLk is not None:
-            replay_Nk = self.replay_NLk[:, moe_idx].long()
-            known_N1 = (replay_Nk >= 0).all(-1, keepdim=True)  # rows of -1: no trace, route live
-            idx_Nk = torch.where(known_N1, replay_Nk, live_Nk)
-            differs = (live_Nk.sort(-1).values != idx_Nk.sort(-1).values).any(-1) & known_N1[:, 0]
+        idx_Nk = live_Nk
+        if self.trace_NLk is not None:
+            trace_Nk = self.trace_NLk[:, moe_idx].long()
+            known_N1 = (trace_Nk >= 0).all(-1, keepdim=True)
+            differs = (live_Nk.sort(-1).values != trace_Nk.sort(-1).values).any(-1) & known_N1[:, 0]
             self.mismatch.append(differs.sum().detach())
-            self.replayed.append(known_N1.sum().detach())
-        else:
-            idx_Nk = live_Nk
+            self.compared.append(known_N1.sum().detach())
+            if self.replay:
+                idx_Nk = torch.where(known_N1, trace_Nk, live_Nk)
         if self.record:
             self.recorded.append(idx_Nk.detach())
         weights_Nk = probs_NE.gather(-1, idx_Nk)
         if norm_topk:
             weights_Nk = weights_Nk / weights_Nk.sum(-1, keepdim=True)
         return idx_Nk, weights_Nk.to(logits_NE.dtype)
+
+    def mismatch_counts(self, num_moe_layers: int) -> tuple[float, float]:
+        """(tokens x layers whose live routing differs from the trace, tokens x layers compared),
+        counting each layer once even if activation recompute routed it twice."""
+        m = self.mismatch[:num_moe_layers]
+        c = self.compared[:num_moe_layers]
+        return float(sum(float(x) for x in m)), float(sum(float(x) for x in c))
 
 
 def default_route(logits_NE: torch.Tensor, k: int, norm_topk: bool):

@@ -51,7 +51,7 @@ class RolloutManager:
         self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
                                   opts=WriteOptions.from_config(cfg.buffer))
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout")
-        self.record_routing = self.args.is_moe and cfg.determinism.routing_replay
+        self.record_routing = self.args.is_moe and (cfg.determinism.routing_replay or cfg.determinism.record_routing)
 
     def run(self) -> None:
         removed = clean_uncommitted(self.layout.buffer) if self.rank == 0 else []

@@ -61,7 +61,7 @@ class MicroBatch:
     adv_M: torch.Tensor
     sample_of_M: torch.Tensor  # local sample index of each scored token
     num_samples: int
-    replay_NLk: torch.Tensor | None = None  # R3: engine's experts per stream token (-1 = use live routing)
+    trace_NLk: torch.Tensor | None = None  # engine's experts per stream token (-1: none, route live)
     weight: float = 1.0  # 0 for padding micro-batches that only keep ranks' collectives paired
 
     @property
@@ -86,14 +86,14 @@ def build_micro_batch(batch: RolloutBatch, idx: list[int], adv_S: np.ndarray, de
         adv.append(np.full(r, adv_S[i], dtype=np.float32))
         sample_of.append(np.full(r, j, dtype=np.int64))
     cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs).astype(dt)).to(device)  # noqa: E731
-    replay = None
+    trace = None
     if with_routing and batch.routed_experts is not None:
         rows = []
         for j, i in enumerate(idx):
             routed = batch.routing(i).astype(np.int16)
             last = np.full((1,) + routed.shape[1:], -1, dtype=np.int16)  # a sample's last token: live routing
             rows.append(np.concatenate([routed, last]))
-        replay = torch.from_numpy(np.concatenate(rows)).to(device)
+        trace = torch.from_numpy(np.concatenate(rows)).to(device)
     return MicroBatch(
         input_ids_N=torch.from_numpy(np.concatenate(seqs).astype(np.int64)).to(device),
         positions_N=attn.positions,
@@ -105,6 +105,6 @@ def build_micro_batch(batch: RolloutBatch, idx: list[int], adv_S: np.ndarray, de
         adv_M=cat(adv, np.float32),
         sample_of_M=cat(sample_of, np.int64),
         num_samples=len(idx),
-        replay_NLk=replay,
+        trace_NLk=trace,
         weight=weight,
     )

@@ -35,8 +35,13 @@ def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> f
     return floor + (1.0 - floor) * shape
 
 
-def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype) -> Qwen3ForCausalLM:
+def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: bool = False) -> Qwen3ForCausalLM:
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if recompute:
+        from torch.distributed._composable import checkpoint
+
+        for layer in model.model.layers:
+            checkpoint(layer)  # activations recomputed in backward (R3 traces replay there too)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -50,7 +55,7 @@ class FSDPBackend:
         self.world = dist.get_world_size()
         self.mesh = init_device_mesh(device.type, (self.world,))
         self.args, model = load_model(model_dir, dtype=torch.float32, device=device)
-        self.model = shard(model, self.mesh, self.compute_dtype)
+        self.model = shard(model, self.mesh, self.compute_dtype, recompute=cfg.train.recompute_activations)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                            weight_decay=t.weight_decay, eps=t.adam_eps)
@@ -67,7 +72,7 @@ class FSDPBackend:
     def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False):
         """Per-token logprobs [M] of the micro-batch's response tokens (and the MoE routing state)."""
         model = model or self.model
-        routing = MoeRouting(replay_NLk=mb.replay_NLk if replay else None) if self.args.is_moe else None
+        routing = MoeRouting(trace_NLk=mb.trace_NLk, replay=replay) if self.args.is_moe else None
         logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing, logits_at_M=mb.score_pos_M)
         temp = self.cfg.rollout.rollout_temperature
         logp_M = token_logprobs(logits_MV, mb.targets_M, temp)

@@ -124,7 +124,8 @@ class Trainer:
             tokens = sum(w * float(batch.loss_mask[batch.response_slice(i)].sum()) for mb, w in plan for i in mb)
             (global_tokens,) = all_reduce([tokens], self.device)
             for mb_idx, weight in plan:
-                mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight)
+                mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight,
+                                       with_routing=self.backend.args.is_moe)
                 self.train_micro_batch(mb, max(global_tokens, 1.0), sums, maxes)
             norm, stepped = b.optimizer_step()
             grad_norms.append(norm)
@@ -142,9 +143,10 @@ class Trainer:
 
     def train_micro_batch(self, mb: MicroBatch, normalizer: float, sums: dict, maxes: dict) -> None:
         cfg, b = self.cfg, self.backend
-        logp_M, ent_M, routing = b.logprobs(mb, want_entropy=cfg.algo.entropy_coef > 0)
+        r3 = cfg.determinism.routing_replay
+        logp_M, ent_M, routing = b.logprobs(mb, replay=r3, want_entropy=cfg.algo.entropy_coef > 0)
         old_M = logp_M.detach()
-        ref_M = b.ref_logprobs(mb) if b.ref_model is not None else None
+        ref_M = b.ref_logprobs(mb, replay=r3) if b.ref_model is not None else None
         loss, m = grpo_loss(logp_M, old_M, mb.adv_M, mb.mask_M, eps_clip=cfg.algo.eps_clip,
                             eps_clip_high=cfg.algo.eps_clip_high, normalizer=normalizer, ref_logp_M=ref_M,
                             kl_coef=cfg.algo.kl_loss_coef, kl_type=cfg.algo.kl_loss_type, entropy_M=ent_M,
@@ -154,6 +156,9 @@ class Trainer:
         m = {k: float(v) * mb.weight for k, v in m.items() if k.endswith("_sum")}
         m.update(loss_sum=float(loss.detach()) * mb.weight, logprob_abs_diff_sum=float(diff_M.sum()),
                  tokens_sum=float(mb.mask_M.sum()) * mb.weight, samples_sum=float(mb.num_samples) * mb.weight)
+        if routing is not None and routing.compared:
+            differs, compared = routing.mismatch_counts(len(b.args.moe_layers))
+            m.update(routing_live_mismatch_sum=differs * mb.weight, routing_compared_sum=compared * mb.weight)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v
         if mb.weight and diff_M.numel():
@@ -176,11 +181,19 @@ class Trainer:
             "train/tokens": totals.get("tokens_sum", 0.0),
             "train/skipped_steps": skipped,
         }
+        if totals.get("routing_compared_sum"):
+            live = totals["routing_live_mismatch_sum"] / totals["routing_compared_sum"]
+            out["train/routing_live_mismatch_frac"] = live  # trainer's own routing vs the engine's
+            out["train/routing_mismatch_frac"] = 0.0 if self.cfg.determinism.routing_replay else live  # as trained
         if "kl_loss_sum" in totals:
             out["train/kl_loss"] = totals["kl_loss_sum"] / n
         if "entropy_sum" in totals:
             out["train/entropy"] = totals["entropy_sum"] / n
         out.update(mx)
+        if self.cfg.determinism.true_on_policy and out["train/rollout_logprob_max_abs_diff"] != 0.0:
+            raise RuntimeError(
+                "true on-policy violated: trainer and engine logprobs differ by up to "
+                f"{out['train/rollout_logprob_max_abs_diff']:.3g} (are engines running with --true-on-policy?)")
         return out
 
     def sync_weights(self, version: int) -> dict:
@@ -231,6 +244,10 @@ class Trainer:
 def main(run_dir: str) -> None:
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
+    if cfg.determinism.true_on_policy:
+        import kernels
+
+        kernels.set_batch_invariant(True)
     backend = "nccl" if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())) else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
     try:

@@ -50,15 +50,15 @@ def mean(xs):
 def test_tiny_recipe_learns(tmp_path):
     """A shorter run of the default recipe: reward rises clearly, and every output a user looks at exists."""
     run_dir = tmp_path / "run"
-    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run_dir}", "num_rollout=150")
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run_dir}", "num_rollout=100")
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_metrics(str(run_dir))
-    assert [r["step"] for r in records] == list(range(150))
+    assert [r["step"] for r in records] == list(range(100))
     assert REQUIRED_KEYS <= set(records[0])
     first = mean([r["rollout/reward_mean"] for r in records[:3]])
     last = mean([r["rollout/reward_mean"] for r in records[-3:]])
-    assert first < 0.3 and last > 0.5, (first, last)
-    assert [r["weights/version"] for r in records] == list(range(1, 151))
+    assert first < 0.3 and last > 0.6, (first, last)
+    assert [r["weights/version"] for r in records] == list(range(1, 101))
     # Engine and trainer run the same fp32 model: their logprobs agree closely (bitwise in true on-policy mode).
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in records) < 1e-4
     assert "reward" in res.stdout and "->" in res.stdout  # the summary
@@ -71,7 +71,7 @@ def test_tiny_recipe_learns(tmp_path):
     init = read_state_dict(str(run_dir / "model_init"))
     assert any(not torch.equal(final[k], init[k]) for k in final)
     verify = lockstep("buffer", "verify", str(run_dir))
-    assert verify.returncode == 0 and "OK: 150 committed steps" in verify.stdout
+    assert verify.returncode == 0 and "OK: 100 committed steps" in verify.stdout
 
 
 FAST = ["num_rollout=6", "rollout_batch_size=8", "global_batch_size=64", "checkpoint.export_hf=false",

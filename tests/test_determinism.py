@@ -1,0 +1,185 @@
+"""Determinism: batch-invariant kernels, bitwise true on-policy, R3, reproducible and resumable runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import torch_ref
+from pipeline.models.hf_io import read_state_dict
+from pipeline.observability.metrics import read_metrics
+
+from conftest import REPO, wait_until
+from test_e2e import lockstep
+
+SHAPES = [(1, 7, 5), (3, 64, 60), (37, 96, 130), (129, 33, 17)]  # (M, K, N), odd on purpose
+
+
+def rows_invariant(op, x):
+    """op(x[:m]) == op(x)[:m] bitwise for several m, and a row's result does not depend on its neighbours."""
+    full = op(x)
+    for m in (1, 2, 3, 5, 16, 17, x.shape[0]):
+        if m <= x.shape[0] and not torch.equal(op(x[:m]), full[:m]):
+            return False
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
+    return torch.equal(op(x[perm]), full[perm])
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_batch_invariant_and_accurate(m, k, n, dtype):
+    g = torch.Generator().manual_seed(m)
+    x, w, b = (torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype),
+               torch.randn(n, generator=g).to(dtype))
+    assert rows_invariant(lambda t: torch_ref.linear(t, w, b), x)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(torch_ref.linear(x, w, b).float(), F.linear(x, w, b).float(), rtol=tol, atol=tol * k ** 0.5)
+
+
+def test_default_cpu_linear_is_not_batch_invariant():
+    """Why the kernels exist: torch's CPU GEMV path (1-3 rows) reduces in another order."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 192, generator=g), torch.randn(64, 192, generator=g)
+    assert not torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1])
+
+
+@pytest.mark.parametrize("n", [1, 16, 60, 1000])
+def test_row_ops_batch_invariant(n):
+    x = torch.randn(41, n, generator=torch.Generator().manual_seed(n)) * 3
+    w = torch.randn(n)
+    assert rows_invariant(lambda t: torch_ref.rms_norm(t, w, 1e-6), x)
+    assert rows_invariant(torch_ref.log_softmax, x)
+    assert rows_invariant(torch_ref.silu, x)
+    torch.testing.assert_close(torch_ref.log_softmax(x), torch.log_softmax(x, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_ref.silu(x), F.silu(x), rtol=1e-6, atol=1e-6)
+
+
+def ref_attention(q, k, v, qpos):
+    t = k.shape[2]
+    mask = torch.arange(t)[None, None, :] <= qpos[:, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("t", [1, 5, 16, 17, 40])
+def test_attention_decode_equals_prefill_bitwise(t):
+    """Query at position p: computed in a full causal prefill of length T, or as one decode query over a
+    cache of exactly p+1 keys (or a longer, partly filled cache), gives the same bits."""
+    g = torch.Generator().manual_seed(t)
+    b, h, kv, d = 3, 4, 2, 16
+    q = torch.randn(b, h, t, d, generator=g)
+    k = torch.randn(b, kv, t, d, generator=g)
+    v = torch.randn(b, kv, t, d, generator=g)
+    qpos = torch.arange(t)[None, :].expand(b, t)
+    prefill = torch_ref.attention(q, k, v, qpos)
+    torch.testing.assert_close(prefill, ref_attention(q, k, v, qpos), rtol=1e-5, atol=1e-5)
+    for p in range(t):
+        decode = torch_ref.attention(q[:, :, p: p + 1], k[:, :, : p + 1], v[:, :, : p + 1], torch.full((b, 1), p))
+        assert torch.equal(decode, prefill[:, :, p: p + 1]), p
+        longer = torch.cat([k, torch.randn(b, kv, 9, d, generator=g)], 2)  # garbage beyond the position
+        decode2 = torch_ref.attention(q[:, :, p: p + 1], longer, torch.cat([v, longer[:, :, t:]], 2), torch.full((b, 1), p))
+        assert torch.equal(decode2, prefill[:, :, p: p + 1]), p
+    # One sequence alone equals the same sequence inside a batch.
+    assert torch.equal(torch_ref.attention(q[1:2], k[1:2], v[1:2], qpos[1:2]), prefill[1:2])
+
+
+def test_mode_switch_restores_state():
+    assert not kernels.is_batch_invariant()
+    with kernels.batch_invariant_mode():
+        assert kernels.is_batch_invariant()
+        with kernels.batch_invariant_mode(False):
+            assert not kernels.is_batch_invariant()
+        assert kernels.is_batch_invariant()
+    assert not kernels.is_batch_invariant()
+    with pytest.raises(RuntimeError):
+        with kernels.batch_invariant_mode():
+            raise RuntimeError("boom")
+    assert not kernels.is_batch_invariant()
+
+
+# ---- whole pipeline --------------------------------------------------------------------------------
+
+STEPS = ["num_rollout=3", "rollout_batch_size=8", "global_batch_size=64", "checkpoint.export_hf=false",
+         "logging.plot=false", "--no-progress"]
+
+
+def run_metrics(tmp_path, name, *overrides):
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *STEPS, *overrides)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return read_metrics(f"{tmp_path}/{name}")
+
+
+@pytest.mark.parametrize("init", ["tiny-dense", "tiny-moe"])
+def test_true_on_policy_is_bitwise(tmp_path, init):
+    on = run_metrics(tmp_path, "on", f"model.init={init}", "determinism.true_on_policy=true")
+    assert all(r["train/rollout_logprob_max_abs_diff"] == 0.0 and r["train/rollout_logprob_abs_diff"] == 0.0
+               for r in on)
+    off = run_metrics(tmp_path, "off", f"model.init={init}")
+    assert max(r["train/rollout_logprob_max_abs_diff"] for r in off) > 0.0
+
+
+def test_bf16_moe_routing_mismatch_and_r3(tmp_path):
+    common = ["model.init=tiny-moe", "model.dtype=bfloat16"]
+    no_r3 = run_metrics(tmp_path, "plain", *common)
+    assert sum(r["train/routing_mismatch_frac"] for r in no_r3) > 0  # live routing differs for some tokens
+    r3 = run_metrics(tmp_path, "r3", *common, "determinism.routing_replay=true")
+    assert all(r["train/routing_mismatch_frac"] == 0.0 for r in r3)
+    assert sum(r["train/routing_live_mismatch_frac"] for r in r3) > 0  # measured, then replaced by the trace
+    both = run_metrics(tmp_path, "both", *common, "determinism.routing_replay=true", "determinism.true_on_policy=true")
+    assert all(r["train/rollout_logprob_max_abs_diff"] == 0.0 and r["train/routing_live_mismatch_frac"] == 0.0
+               for r in both)
+
+
+def test_r3_replays_in_activation_recompute(moe_dir):
+    """With recompute, the backward's second forward routes by the same trace: same gradients as without."""
+    from pipeline.models.attention import PackedCausal
+    from pipeline.models.hf_io import load_model
+    from pipeline.models.qwen3 import MoeRouting
+    from torch.distributed._composable import checkpoint
+
+    ids = torch.randint(0, 50, (20,), generator=torch.Generator().manual_seed(0))
+    ctx = PackedCausal.from_lengths([20])
+    grads = []
+    args, _ = load_model(moe_dir)
+    trace = torch.randint(0, args.num_experts, (20, len(args.moe_layers), 1),
+                          generator=torch.Generator().manual_seed(1)).repeat(1, 1, 2)
+    trace[:, :, 1] = (trace[:, :, 0] + 1) % args.num_experts  # two distinct experts, unlike the live choice
+    for recompute in (False, True):
+        _, m = load_model(moe_dir)
+        if recompute:
+            for layer in m.model.layers:
+                checkpoint(layer)
+        routing = MoeRouting(trace_NLk=trace, replay=True)
+        m(ids, ctx.positions, ctx, routing, logits_at_M=torch.arange(20)).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        assert sum(routing.mismatch_counts(len(args.moe_layers))) > 0  # the trace really overrode live routing
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_two_runs_same_weights_and_kill_resume(tmp_path):
+    common = ["rollout_batch_size=8", "global_batch_size=64", "logging.plot=false", "checkpoint.save_interval=2",
+              "--no-progress", "num_rollout=8"]
+    for name in ("a", "b"):
+        res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = read_state_dict(f"{tmp_path}/a/hf"), read_state_dict(f"{tmp_path}/b/hf")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command.
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={tmp_path}/c",
+                          *common], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_until(lambda: os.path.exists(f"{tmp_path}/c/checkpoints/step_000004/trainer_state.json"), 180)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not os.path.exists(f"{tmp_path}/c/hf")
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/c", *common)
+    assert res.returncode == 0, res.stderr[-3000:]
+    c = read_state_dict(f"{tmp_path}/c/hf")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(8))

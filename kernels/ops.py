@@ -58,6 +58,14 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_softmax(x))
 
 
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries per row. Batch-invariant mode breaks ties by the lower index
+    (a stable sort), so equal router scores pick the same experts whatever the batch."""
+    if not _bi():
+        return torch.topk(x, k, dim=-1).indices
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
     """Causal GQA attention: query (b, i) attends to keys 0..qpos_BQ[b, i]. Returns [B, H, Q, D]."""
     if not _bi():

@@ -102,7 +102,7 @@ class MoeRouting:
 
     def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
         probs_NE = kernels.softmax(logits_NE)
-        live_Nk = torch.topk(probs_NE, k, dim=-1).indices
+        live_Nk = kernels.topk_indices(probs_NE, k)
         idx_Nk = live_Nk
         if self.trace_NLk is not None:
             trace_Nk = self.trace_NLk[:, moe_idx].long()

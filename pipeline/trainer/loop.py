@@ -119,14 +119,20 @@ class Trainer:
         sums: dict[str, float] = {}
         maxes = {"train/rollout_logprob_max_abs_diff": 0.0}
         grad_norms, skipped = [], 0
-        for mini in np.array_split(order, cfg.optimizer_steps_per_rollout):
-            plan = self.plan_micro_batches([lengths[i] for i in mini], mini)
+        plans = [self.plan_micro_batches([lengths[i] for i in mini], mini)
+                 for mini in np.array_split(order, cfg.optimizer_steps_per_rollout)]
+        # Several updates per rollout: score every sample with the pre-update policy first (PPO's "old").
+        old = self.old_logprobs(batch, plans, adv_S, sums) if len(plans) > 1 else None
+        for plan in plans:
             tokens = sum(w * float(batch.loss_mask[batch.response_slice(i)].sum()) for mb, w in plan for i in mb)
             (global_tokens,) = all_reduce([tokens], self.device)
             for mb_idx, weight in plan:
                 mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight,
                                        with_routing=self.backend.args.is_moe)
-                self.train_micro_batch(mb, max(global_tokens, 1.0), sums, maxes)
+                old_M = None
+                if old is not None:
+                    old_M = torch.from_numpy(np.concatenate([old[batch.response_slice(i)] for i in mb_idx])).to(self.device)
+                self.train_micro_batch(mb, old_M, max(global_tokens, 1.0), sums, maxes)
             norm, stepped = b.optimizer_step()
             grad_norms.append(norm)
             skipped += not stepped
@@ -141,11 +147,32 @@ class Trainer:
         (n,) = all_reduce([len(plan)], self.device, op=dist.ReduceOp.MAX)
         return plan + [([int(indices[0])], 0.0)] * (int(n) - len(plan))
 
-    def train_micro_batch(self, mb: MicroBatch, normalizer: float, sums: dict, maxes: dict) -> None:
+    @torch.no_grad()
+    def old_logprobs(self, batch: RolloutBatch, plans, adv_S, sums: dict) -> np.ndarray:
+        """Logprobs of every response token under the current (pre-update) policy, laid out like
+        batch.logprobs. Routing mismatch against the engine is measured here, before the policy moves."""
+        out = np.zeros_like(batch.logprobs)
+        for plan in plans:
+            for mb_idx, weight in plan:
+                mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight,
+                                       with_routing=self.backend.args.is_moe)
+                logp, _, routing = self.backend.logprobs(mb, replay=self.cfg.determinism.routing_replay)
+                self.add_routing_counts(routing, weight, sums)
+                logp_M = logp.float().cpu().numpy()
+                if weight:
+                    out[np.concatenate([np.arange(batch.response_offsets[i], batch.response_offsets[i + 1])
+                                        for i in mb_idx])] = logp_M
+        return out
+
+    def train_micro_batch(self, mb: MicroBatch, old_M: torch.Tensor | None, normalizer: float, sums: dict,
+                          maxes: dict) -> None:
+        """Forward, loss, backward of one micro-batch. old_M: pre-update logprobs (None: this forward's)."""
         cfg, b = self.cfg, self.backend
         r3 = cfg.determinism.routing_replay
         logp_M, ent_M, routing = b.logprobs(mb, replay=r3, want_entropy=cfg.algo.entropy_coef > 0)
-        old_M = logp_M.detach()
+        if old_M is None:  # one update per rollout: this forward is the pre-update one
+            old_M = logp_M.detach()
+            self.add_routing_counts(routing, mb.weight, sums)
         ref_M = b.ref_logprobs(mb, replay=r3) if b.ref_model is not None else None
         loss, m = grpo_loss(logp_M, old_M, mb.adv_M, mb.mask_M, eps_clip=cfg.algo.eps_clip,
                             eps_clip_high=cfg.algo.eps_clip_high, normalizer=normalizer, ref_logp_M=ref_M,
@@ -156,14 +183,18 @@ class Trainer:
         m = {k: float(v) * mb.weight for k, v in m.items() if k.endswith("_sum")}
         m.update(loss_sum=float(loss.detach()) * mb.weight, logprob_abs_diff_sum=float(diff_M.sum()),
                  tokens_sum=float(mb.mask_M.sum()) * mb.weight, samples_sum=float(mb.num_samples) * mb.weight)
-        if routing is not None and routing.compared:
-            differs, compared = routing.mismatch_counts(len(b.args.moe_layers))
-            m.update(routing_live_mismatch_sum=differs * mb.weight, routing_compared_sum=compared * mb.weight)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v
         if mb.weight and diff_M.numel():
             maxes["train/rollout_logprob_max_abs_diff"] = max(maxes["train/rollout_logprob_max_abs_diff"],
                                                               float(diff_M.max()))
+
+    def add_routing_counts(self, routing, weight: float, sums: dict) -> None:
+        if routing is None or not routing.compared:
+            return
+        differs, compared = routing.mismatch_counts(len(self.backend.args.moe_layers))
+        sums["routing_live_mismatch_sum"] = sums.get("routing_live_mismatch_sum", 0.0) + differs * weight
+        sums["routing_compared_sum"] = sums.get("routing_compared_sum", 0.0) + compared * weight
 
     def reduce_metrics(self, sums: dict, maxes: dict, grad_norms: list[float], skipped: int) -> dict:
         keys = sorted(sums)

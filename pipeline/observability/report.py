@@ -30,7 +30,8 @@ class ProgressBar:
         if not records:
             line = f"[{'.' * 30}] 0/{self.total} {status}"
         else:
-            if records[-1]["step"] == self.last_step and not self.tty:
+            every = max(self.total // 20, 1)  # a log file gets ~20 lines, a terminal a live bar
+            if not self.tty and (records[-1]["step"] == self.last_step or (done % every and done != self.total)):
                 return
             r = records[-1]
             self.last_step = r["step"]

@@ -51,6 +51,19 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch_ref.log_softmax(x)
 
 
+def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature) -> torch.Tensor:
+    """log softmax(logits / T)[token] per row, fp32. On GPUs always the fused Triton kernel (never
+    materialises the [rows, vocab] fp32 log-softmax; batch-invariant too); elsewhere log-softmax + gather."""
+    if use_triton(logits_MV):
+        from kernels.log_softmax import bi_token_logprob
+
+        return bi_token_logprob(logits_MV, tokens_M, temperature)
+    from pipeline.models.logprobs import scaled_logits
+
+    logp_MV = log_softmax(scaled_logits(logits_MV, temperature))
+    return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over the last dim."""
     if not _bi():

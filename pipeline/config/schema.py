@@ -194,6 +194,9 @@ class AlgoConfig:
 class BroadcastWeightsConfig:
     type: Literal["broadcast"] = "broadcast"
     """Trainer rank 0 broadcasts to every engine over a torch.distributed group (NCCL/RCCL on GPUs, gloo on CPU)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend of the weight group: auto is nccl (RCCL on ROCm) when the trainer is on a GPU;
+    gloo stages tensors through host memory (needed when trainer and engine share one GPU)."""
     bucket_size_mb: float = 512.0
     """Tensors are sent in buckets of about this size; one engine update request per bucket."""
     timeout_s: float = 300.0

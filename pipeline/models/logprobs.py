@@ -27,8 +27,7 @@ def scaled_logits(logits_MV: torch.Tensor, temperature: float | torch.Tensor) ->
 
 def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature), in fp32. Returns [M]."""
-    logp_MV = kernels.log_softmax(scaled_logits(logits_MV, temperature))
-    return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
+    return kernels.token_logprobs(logits_MV, tokens_M, temperature)
 
 
 def entropy(logits_MV: torch.Tensor, temperature: float) -> torch.Tensor:

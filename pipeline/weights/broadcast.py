@@ -30,11 +30,13 @@ class BroadcastSender:
         self.cfg, self.clients, self.device, self.host = cfg, clients, device, host
         self.publish_path = publish_path
         self.pg = None
+        self.staging = device
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(clients)), thread_name_prefix="weights")
 
     def connect(self) -> None:
         port = free_port(self.host)
-        backend = backend_for(self.device)
+        backend = backend_for(self.device) if self.cfg.backend == "auto" else self.cfg.backend
+        self.staging = torch.device("cpu") if backend == "gloo" else self.device
         world = 1 + len(self.clients)
         info = {"master_address": self.host, "master_port": port, "world_size": world, "backend": backend,
                 "group_name": GROUP_NAME}
@@ -65,7 +67,7 @@ class BroadcastSender:
             futures = [self.pool.submit(c.checked, "/update_weights_from_distributed", body, self.cfg.timeout_s)
                        for c in self.clients]
             for _, t in bucket:
-                broadcast(self.pg, t.to(self.device).contiguous(), src=0)
+                broadcast(self.pg, t.to(self.staging).contiguous(), src=0)
                 nbytes += t.numel() * t.element_size()
             for f in futures:
                 f.result(timeout=self.cfg.timeout_s)

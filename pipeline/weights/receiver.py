@@ -31,6 +31,7 @@ class WeightReceiver:
         self.engine = engine
         self.groups: dict[str, object] = {}
         self.staged: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, torch.device] = {}
         self.lock = threading.Lock()
         self.last_update_s = 0.0
 
@@ -43,6 +44,7 @@ class WeightReceiver:
         except Exception as e:  # reported to the trainer, which fails with this message
             return False, f"init_weights_update_group failed: {type(e).__name__}: {e}"
         self.groups[name] = pg
+        self.staging[name] = torch.device("cpu") if body.get("backend", "gloo") == "gloo" else self.engine.device
         return True, f"joined group {name}"
 
     def destroy_group(self, body: dict) -> tuple[bool, str]:
@@ -60,7 +62,7 @@ class WeightReceiver:
         with self.lock:
             try:
                 for tname, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                    t = torch.empty(shape, dtype=parse_dtype(dtype), device=self.engine.device)
+                    t = torch.empty(shape, dtype=parse_dtype(dtype), device=self.staging[name])
                     broadcast(pg, t, src=0)
                     self.staged[tname] = t
             except Exception as e:

@@ -1,0 +1,49 @@
+"""Shared bits of the benchmarks: timing, a ~0.5B Qwen3-style config, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from pipeline.models.config import ModelArgs  # noqa: E402
+
+
+def qwen3_0p5b(vocab: int = 151936, layers: int = 24, moe: bool = False) -> ModelArgs:
+    """Qwen2.5-0.5B-sized Qwen3 architecture (hidden 896, 14 heads, 2 kv heads, head dim 64)."""
+    extra = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=1216) if moe else {}
+    return ModelArgs(vocab_size=vocab, hidden_size=896, num_hidden_layers=layers, num_attention_heads=14,
+                     num_key_value_heads=2, head_dim=64, intermediate_size=4864, max_position_embeddings=4096,
+                     rope_theta=1e6, tie_word_embeddings=True, eos_token_id=0, **extra)
+
+
+def qwen3_1p7b(vocab: int = 151936) -> ModelArgs:
+    return ModelArgs(vocab_size=vocab, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=6144, max_position_embeddings=4096,
+                     rope_theta=1e6, tie_word_embeddings=True, eos_token_id=0)
+
+
+def bench(fn, warmup=5, rep=20) -> float:
+    """Median milliseconds of fn() on the GPU (CUDA events via triton.testing.do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def write(name: str, payload) -> str:
+    out = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path
+
+
+def device_info() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": p.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": __import__("triton").__version__}

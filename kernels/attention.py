@@ -1,0 +1,134 @@
+"""Batch-invariant causal GQA attention in Triton (forward), for both prefill and KV-cache decode.
+
+Layers: `_bi_attention_kernel` (one program per BLOCK_M queries of one (sequence, head)), `attention_fwd`
+(launcher), `BiAttention` (autograd: backward recomputes through torch's SDPA), `bi_attention`.
+
+Query (b, i) attends to keys 0..qpos[b, i] (queries of a sequence have consecutive positions; padding
+rows carry 0 and come back as zeros). Query tiles are aligned to absolute positions. Keys are visited in BLOCK_N blocks from position 0
+upward with an online softmax in fp32. A block past a query's position contributes exactly nothing
+(max unchanged, rescale exp(0) = 1, probabilities exp(-inf) = 0), so a query gets the same bits
+whether it sits in a 2k-token training sequence or is a single decode query over a cache of any
+length. Block sizes are pinned per head dim; nothing depends on the batch.
+Legend: B sequences, H query heads, G kv heads, Q queries, T keys, D head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
+                         sq_b, sq_h, sq_q, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_h, so_q,
+                         H, G, T, scale,
+                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """o[b, h, i] = sum_{t <= p} softmax_t(q[b, h, i] . k[b, g, t] * scale) v[b, g, t] for the query at
+    absolute position p = qstart[b] + i, g = h // (H / G).
+
+    Tiles are aligned to absolute positions: the query at position p is row p % BLOCK_M of tile
+    p // BLOCK_M, and key t is column t % BLOCK_N of key block t // BLOCK_N, whether the query comes
+    from a prefill or a single decode step. So every product and sum a query takes part in sits at
+    the same place in the same-shaped tiles in both cases.
+    """
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    g = h // (H // G)
+    qstart = tl.load(qstart_ptr + b)
+    qlen = tl.load(qlen_ptr + b)
+    tile = qstart // BLOCK_M + pid
+    pos = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # absolute position of each row
+    i = pos - qstart  # query index of each row
+    rows = (i >= 0) & (i < qlen)
+    if tile * BLOCK_M < qstart + qlen:
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + i[:, None] * sq_q + offs_d[None, :], mask=rows[:, None], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        qpos = tl.where(rows, pos, 0)  # rows that are not queries attend to key 0 and are not stored
+        kv_end = tl.minimum(tl.max(qpos, axis=0) + 1, T)
+        for start in range(0, kv_end, BLOCK_N):
+            cols = start + offs_n
+            kmask = cols < T
+            k = tl.load(k_ptr + b * sk_b + g * sk_g + cols[:, None] * sk_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            v = tl.load(v_ptr + b * sv_b + g * sv_g + cols[:, None] * sv_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where((cols[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * so_b + h * so_h + i[:, None] * so_q + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=rows[:, None])
+
+
+def query_spans(qpos_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first position, number of queries) per sequence. Queries of a sequence have consecutive
+    positions; padding rows carry position 0 (both attention contexts build qpos that way)."""
+    q = qpos_BQ.shape[1]
+    qstart = qpos_BQ[:, 0]
+    consecutive = qpos_BQ == qstart[:, None] + torch.arange(q, device=qpos_BQ.device)[None, :]
+    return qstart.to(torch.int32).contiguous(), consecutive.sum(1).to(torch.int32).contiguous()
+
+
+def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
+    b, h, q, d = q_BHQD.shape
+    g, t = k_BGTD.shape[1], k_BGTD.shape[2]
+    assert d in (16, 32, 64, 128, 256) and h % g == 0, (d, h, g)
+    assert q_BHQD.stride(-1) == 1 and k_BGTD.stride(-1) == 1 and v_BGTD.stride(-1) == 1, "head dim must be contiguous"
+    out = torch.zeros_like(q_BHQD)
+    qstart, qlen = query_spans(qpos_BQ)
+    block_m, block_n = 64, (64 if d <= 128 else 32)
+    tiles = triton.cdiv(q, block_m) + 1  # a span of q positions touches at most this many aligned tiles
+    _bi_attention_kernel[(tiles, b * h)](
+        q_BHQD, k_BGTD, v_BGTD, out, qstart, qlen,
+        q_BHQD.stride(0), q_BHQD.stride(1), q_BHQD.stride(2), k_BGTD.stride(0), k_BGTD.stride(1), k_BGTD.stride(2),
+        v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        h, g, t, d ** -0.5, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def sdpa_reference(q_BHQD, k_BGTD, v_BGTD, qpos_BQ):
+    mask = torch.arange(k_BGTD.shape[2], device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
+    return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask[:, None],
+                                          enable_gqa=q_BHQD.shape[1] != k_BGTD.shape[1])
+
+
+class BiAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qpos):
+        ctx.save_for_backward(q, k, v, qpos)
+        return attention_fwd(q, k, v, qpos)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, qpos = ctx.saved_tensors
+        with torch.enable_grad():
+            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+            out = sdpa_reference(qr, kr, vr, qpos)
+            gq, gk, gv = torch.autograd.grad(out, (qr, kr, vr), grad)
+        return gq, gk, gv, None
+
+
+def bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
+    return BiAttention.apply(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)

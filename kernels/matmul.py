@@ -1,0 +1,110 @@
+"""Batch-invariant matmul / linear in Triton: y = x @ w^T (+ b).
+
+Layers: `_bi_matmul_kernel` (the Triton kernel), `bi_matmul` (host launcher: checks, allocation,
+grid), `BiLinear` (autograd: forward through the kernel, backward through torch matmuls — gradients
+need no invariance), `bi_linear` (functional wrapper used by kernels.ops.linear).
+
+Invariance: one program computes one [BLOCK_M, BLOCK_N] output tile, reducing K from 0 upward in
+BLOCK_K steps into an fp32 accumulator. Tiles are pinned per dtype (no autotuning) and there is no
+split-K, so row m of the output depends only on row m of x, never on M or on the other rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Pinned tile configurations, by input dtype (never by shape).
+CONFIGS = {
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
+}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[m, n] = sum_k A[m, k] B[k, n] (+ bias[n]), k ascending in BLOCK_K chunks, fp32 accumulation."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST:  # the CPU interpreter's tl.dot is wrong on bf16 inputs
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (+ bias) with the pinned configuration of a's dtype. Output dtype = a's dtype."""
+    assert a_MK.dim() == 2 and b_KN.dim() == 2 and a_MK.shape[1] == b_KN.shape[0], (a_MK.shape, b_KN.shape)
+    assert a_MK.dtype == b_KN.dtype, "bi_matmul needs matching input dtypes"
+    if a_MK.dtype not in CONFIGS:
+        raise TypeError(f"bi_matmul: unsupported dtype {a_MK.dtype}")
+    m, k = a_MK.shape
+    n = b_KN.shape[1]
+    c = torch.empty((m, n), dtype=a_MK.dtype, device=a_MK.device)
+    if m == 0 or n == 0:
+        return c
+    cfg = CONFIGS[a_MK.dtype]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _bi_matmul_kernel[grid](
+        a_MK, b_KN, c, bias_N if bias_N is not None else c, m, n, k,
+        a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias_N is not None, IEEE=a_MK.dtype == torch.float32, UPCAST=INTERPRET,
+        **cfg,
+    )
+    return c
+
+
+class BiLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_NK, bias_N):
+        ctx.save_for_backward(x_MK, w_NK)
+        ctx.has_bias = bias_N is not None
+        return bi_matmul(x_MK, w_NK.t(), bias_N)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        x_MK, w_NK = ctx.saved_tensors
+        grad_x = grad_MN @ w_NK if ctx.needs_input_grad[0] else None
+        grad_w = grad_MN.t() @ x_MK if ctx.needs_input_grad[1] else None
+        grad_b = grad_MN.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    shape = x.shape
+    out = BiLinear.apply(x.reshape(-1, shape[-1]), weight, bias)
+    return out.reshape(*shape[:-1], weight.shape[0])

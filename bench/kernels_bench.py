@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from common import bench, device_info, qwen3_0p5b, write
 
 import kernels
-from kernels.attention import bi_attention
-from kernels.log_softmax import bi_log_softmax
-from kernels.matmul import bi_linear
-from kernels.rms_norm import bi_rms_norm
+from kernels.gpu.attention import bi_attention
+from kernels.gpu.log_softmax import bi_log_softmax
+from kernels.gpu.matmul import bi_linear
+from kernels.gpu.rms_norm import bi_rms_norm
 
 
 def main() -> None:

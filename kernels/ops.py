@@ -20,7 +20,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _bi():
         return F.linear(x, weight, bias)
     if use_triton(x):
-        from kernels.matmul import bi_linear
+        from kernels.gpu.matmul import bi_linear
 
         return bi_linear(x, weight, bias)
     return torch_ref.linear(x, weight, bias)
@@ -34,7 +34,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _bi() and use_triton(x):
-        from kernels.rms_norm import bi_rms_norm
+        from kernels.gpu.rms_norm import bi_rms_norm
 
         return bi_rms_norm(x, weight, eps)
     return torch_ref.rms_norm(x, weight, eps)  # row reductions over the last dim: invariant on CPU
@@ -45,7 +45,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     if not _bi():
         return torch.log_softmax(x.float(), dim=-1)
     if use_triton(x):
-        from kernels.log_softmax import bi_log_softmax
+        from kernels.gpu.log_softmax import bi_log_softmax
 
         return bi_log_softmax(x)
     return torch_ref.log_softmax(x)
@@ -55,7 +55,7 @@ def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature)
     """log softmax(logits / T)[token] per row, fp32. On GPUs always the fused Triton kernel (never
     materialises the [rows, vocab] fp32 log-softmax; batch-invariant too); elsewhere log-softmax + gather."""
     if use_triton(logits_MV):
-        from kernels.log_softmax import bi_token_logprob
+        from kernels.gpu.log_softmax import bi_token_logprob
 
         return bi_token_logprob(logits_MV, tokens_M, temperature)
     from pipeline.models.logprobs import scaled_logits
@@ -86,7 +86,7 @@ def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
         mask_BQT = torch.arange(t, device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
         return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
     if use_triton(q_BHQD):
-        from kernels.attention import bi_attention
+        from kernels.gpu.attention import bi_attention
 
         return bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
     return torch_ref.attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)

@@ -169,3 +169,13 @@ def test_pool_retries_on_another_engine(dense_dir, engine_factory):
     dead = EnginePool(["http://127.0.0.1:9"], timeout_s=2, max_retries=2)
     with pytest.raises(EngineError, match="after 2 attempts"):
         dead.generate([[5]], [{"max_new_tokens": 1}])
+
+
+def test_scheduler_failure_fails_requests_and_ends_the_server(dense_dir, engine_factory):
+    """A crash inside a forward must not leave clients waiting: they get an error, the process exits."""
+    eng = engine_factory(dense_dir, extra=["--context-length", "64"])
+    c = EngineClient(eng.url, timeout_s=30)
+    # A token id past the vocabulary makes the embedding lookup raise inside the scheduler.
+    with pytest.raises(EngineError, match="HTTP 500.*engine failed"):
+        c.request("POST", "/generate", {"input_ids": [5, 10_000_000], "sampling_params": {"max_new_tokens": 2}})
+    assert eng.proc.wait(timeout=30) != 0

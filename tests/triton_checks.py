@@ -36,7 +36,7 @@ def randn(*shape, dtype=torch.float32, seed=0):
 
 
 def check_matmul(small):
-    from kernels.matmul import bi_linear
+    from kernels.gpu.matmul import bi_linear
 
     shapes = [(1, 40, 24), (37, 72, 50), (130, 64, 33)] if small else [(1, 4096, 4096), (77, 896, 4864), (1000, 4096, 1024), (4096, 1024, 4096)]
     out = {}
@@ -65,7 +65,7 @@ def check_matmul(small):
 
 
 def check_rms_norm(small):
-    from kernels.rms_norm import bi_rms_norm
+    from kernels.gpu.rms_norm import bi_rms_norm
     from kernels.torch_ref import rms_norm
 
     out = {}
@@ -81,7 +81,7 @@ def check_rms_norm(small):
 
 
 def check_log_softmax(small):
-    from kernels.log_softmax import bi_log_softmax, bi_token_logprob
+    from kernels.gpu.log_softmax import bi_log_softmax, bi_token_logprob
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -108,7 +108,7 @@ def check_log_softmax(small):
 
 
 def check_attention(small):
-    from kernels.attention import bi_attention, sdpa_reference
+    from kernels.gpu.attention import bi_attention, sdpa_reference
 
     out = {}
     cases = [(2, 4, 2, 16, 21)] if small else [(4, 16, 2, 64, 300), (2, 14, 2, 64, 1100), (1, 32, 8, 128, 2048)]

@@ -103,9 +103,14 @@ class Engine:
         self.weight_version = "0"
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
         self._stop = False
+        self.error: str | None = None  # set when the scheduler died
 
     # ---- client side -------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
+        if self.error or self._stop:
+            req.finish_reason = {"type": "abort", "message": f"engine is not running: {self.error or 'stopped'}"}
+            req.done.set()
+            return req
         if len(req.input_ids) >= self.context_length:
             req.finish_reason = {"type": "abort", "message": f"prompt of {len(req.input_ids)} tokens >= context length"}
             req.done.set()
@@ -148,13 +153,25 @@ class Engine:
 
     # ---- scheduler -----------------------------------------------------------------------------
     def run_forever(self) -> None:
-        while True:
+        """The scheduler loop. If a step raises, every waiting and running request is finished with
+        the error (so no client waits for a dead scheduler) and the exception is re-raised."""
+        try:
+            while True:
+                with self.cv:
+                    while not self._stop and (self.paused or not (self.waiting or self.running)):
+                        self.cv.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as e:
+            self.error = f"{type(e).__name__}: {e}"
             with self.cv:
-                while not self._stop and (self.paused or not (self.waiting or self.running)):
-                    self.cv.wait(timeout=1.0)
-                if self._stop:
-                    return
-            self.step()
+                for req in list(self.waiting) + self.running:
+                    self._finish(req, {"type": "abort", "message": f"engine failed: {self.error}"})
+                self.waiting.clear()
+                self.running.clear()
+                self._stop = True
+            raise
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -201,8 +218,8 @@ class Engine:
         ctx = CacheAttention(self.cache, slots, [0] * len(admit), [len(s) for s in seqs], self.device)
         record = any(r.return_routed_experts for r in admit)
         ends = torch.cumsum(torch.tensor([len(s) for s in seqs], device=self.device), 0) - 1
+        self.running.extend(admit)  # before the forward: if it fails, these are finished with the error
         logits, routing = self._forward([t for s in seqs for t in s], ctx, record, ends)
-        self.running.extend(admit)
         for r in admit:
             r.weight_version = r.weight_version or self.weight_version
         self._keep_routing(admit, [len(s) for s in seqs], routing)

@@ -63,9 +63,20 @@ class EngineServer:
         self.engine, self.model_path, self.tokenizer, self.api_key = engine, model_path, tokenizer, api_key
         self.receiver = WeightReceiver(engine)
         self.started = time.time()
+        self.in_flight = 0  # /generate calls not yet answered
+        self.lock = threading.Lock()
 
     # Each handler returns (status, json-able body).
     def generate(self, body: dict):
+        with self.lock:
+            self.in_flight += 1
+        try:
+            return self._generate(body)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    def _generate(self, body: dict):
         ids = body.get("input_ids")
         if ids is None:
             return HTTPStatus.BAD_REQUEST, {"error": "input_ids is required (this engine does not tokenize text)"}
@@ -87,6 +98,8 @@ class EngineServer:
             reqs.append(self.engine.submit(req))
         for req in reqs:
             req.done.wait()
+        if self.engine.error:
+            return HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"engine failed: {self.engine.error}"}
         out = [build_response(r, return_logprob, return_routed, self.tokenizer) for r in reqs]
         return HTTPStatus.OK, out if batch else out[0]
 
@@ -104,6 +117,8 @@ class EngineServer:
     def route(self, method: str, path: str, body: dict):
         e = self.engine
         if path in ("/health", "/health_generate"):
+            if e.error:
+                return HTTPStatus.SERVICE_UNAVAILABLE, {"status": "failed", "error": e.error}
             return HTTPStatus.OK, {"status": "ok"}
         if path == "/get_model_info":
             return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True, "weight_version": e.weight_version}
@@ -191,7 +206,19 @@ def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | N
     httpd = ThreadingHTTPServer((host, port), make_handler(engine_server))
     httpd.daemon_threads = True
     actual_port = httpd.server_address[1]
-    sched = threading.Thread(target=engine_server.engine.run_forever, name="scheduler", daemon=True)
+
+    def schedule():
+        try:
+            engine_server.engine.run_forever()
+        except BaseException:
+            log.exception("engine scheduler failed; answering pending requests, then shutting down")
+            deadline = time.monotonic() + 5.0
+            while engine_server.in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)  # let the last handler finish writing its response
+            httpd.shutdown()
+
+    sched = threading.Thread(target=schedule, name="scheduler", daemon=True)
     sched.start()
     url = f"http://{host}:{actual_port}"
     log.info("engine serving on %s", url)
@@ -204,6 +231,8 @@ def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | N
     finally:
         engine_server.engine.stop()
         httpd.server_close()
+    if engine_server.engine.error:
+        raise SystemExit(f"engine failed: {engine_server.engine.error}")
 
 
 def parse_args(argv=None):

@@ -28,7 +28,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
                          sq_b, sq_h, sq_q, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_h, so_q,
                          H, G, T, scale,
-                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr):
     """o[b, h, i] = sum_{t <= p} softmax_t(q[b, h, i] . k[b, g, t] * scale) v[b, g, t] for the query at
     absolute position p = qstart[b] + i, g = h // (H / G).
 
@@ -67,13 +68,19 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale
+            if IEEE:  # fp32 inputs: true fp32 products, not TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
             s = tl.where((cols[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * so_b + h * so_h + i[:, None] * so_q + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -103,7 +110,7 @@ def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
         q_BHQD.stride(0), q_BHQD.stride(1), q_BHQD.stride(2), k_BGTD.stride(0), k_BGTD.stride(1), k_BGTD.stride(2),
         v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),
         h, g, t, d ** -0.5, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET,
-        num_warps=4, num_stages=2,
+        IEEE=q_BHQD.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     return out
 

@@ -10,15 +10,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 for p in $parts; do
   echo "=== $p"; t0=$(date +%s)
   case $p in
-    checks)   timeout 200 python3 tests/triton_checks.py > "$OUT/triton_checks.jsonl"; rc=$?; cut -c1-300 "$OUT/triton_checks.jsonl" ;;
+    checks)   timeout 200 python3 tests/triton_checks.py ${CHECKS:-} > "$OUT/triton_checks.jsonl"; rc=$?; cut -c1-300 "$OUT/triton_checks.jsonl" ;;
     kernels)  timeout 200 python3 bench/kernels_bench.py; rc=$? ;;
     logprob)  timeout 120 python3 bench/logprob_bench.py; rc=$? ;;
     onpolicy) timeout 200 python3 bench/gpu_true_on_policy.py; rc=$? ;;
-    e2e)      timeout 240 python3 -m pipeline.cli run configs/tiny.yaml run_dir=/tmp/gpu_e2e num_rollout=30 train.device=cuda \
+    e2e)      timeout 200 python3 -m pipeline.cli run configs/tiny.yaml run_dir=/tmp/gpu_e2e num_rollout=20 train.device=cuda \
                 engine.device=cuda weights.backend=gloo model.dtype=bfloat16 determinism.true_on_policy=true \
                 --no-progress 2>&1 | tail -12; rc=${PIPESTATUS[0]}
               cp /tmp/gpu_e2e/metrics.jsonl "$OUT/e2e_metrics.jsonl" 2>/dev/null
-              [ $rc = 0 ] || tail -30 /tmp/gpu_e2e/logs/*.log ;;
+              [ $rc = 0 ] || for f in /tmp/gpu_e2e/logs/*.log; do echo "--- $f"; tail -n 25 "$f"; done ;;
   esac
   echo "=== $p rc=$rc $(( $(date +%s) - t0 ))s"
 done

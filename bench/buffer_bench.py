@@ -52,14 +52,14 @@ def realistic_batch(samples: int, tokens: int, vocab: int, routing: tuple[int, i
     routed = None
     if routing:
         layers, k, e = routing
-        # Each layer prefers a different subset of experts (a softmax over random logits), top-k distinct.
-        logits = rng.normal(0, 1.5, (layers, e))
-        probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+        # Each layer prefers different experts (skewed like real routers); a token's k experts are distinct.
         rows = total - samples
         routed = np.empty((rows, layers, k), expert_dtype(e))
+        stride = next(s for s in range(e // k, e) if np.gcd(s, e) == 1)
         for layer in range(layers):
-            g = rng.gumbel(size=(rows, e)).astype(np.float32) + np.log(probs[layer]).astype(np.float32)
-            routed[:, layer] = np.argpartition(-g, k, axis=1)[:, :k]
+            p = np.exp(rng.normal(0, 1.5, e))
+            base = np.searchsorted(np.cumsum(p / p.sum()), rng.random(rows)).clip(0, e - 1)
+            routed[:, layer] = (base[:, None] + stride * np.arange(k)[None, :]) % e
     r_total = int(resp.sum())
     return RolloutBatch(
         tokens=toks, sample_offsets=offsets, prompt_len=prompt.astype(np.int32), response_len=resp.astype(np.int32),
@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--compressions", default="none,lzf,gzip")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "buffer.json"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "buffer_cpu.json"))
     args = p.parse_args()
     directory = tempfile.mkdtemp(prefix="lockstep-bench-", dir=args.dir or os.getcwd())
     results = []

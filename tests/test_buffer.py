@@ -94,12 +94,38 @@ def test_truncated_shard_is_detected_by_name(tmp_path):
         BufferReader(str(tmp_path)).read_step(0)
 
 
-def test_bit_flip_is_detected(tmp_path):
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def data_offset(path, column):
+    """File offset of a column's stored bytes (contiguous, or its first chunk)."""
+    with h5py.File(path, "r") as f:
+        d = f[column].id
+        return d.get_offset() if d.get_offset() is not None else d.get_chunk_info(0).byte_offset
+
+
+@pytest.mark.parametrize("column", ["logprobs", "tokens", "rewards", "group_id"])
+def test_bit_flip_in_a_column_is_detected(tmp_path, column):
     path = commit_one(tmp_path)
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x10
-    open(path, "wb").write(bytes(data))
-    with pytest.raises(CorruptShardError, match="CRC-32 mismatch"):
+    flip_byte(path, data_offset(path, column) + 3)
+    with pytest.raises(CorruptShardError, match=f"part-00000.h5: column '{column}' (checksum mismatch|unreadable)"):
+        BufferReader(str(tmp_path)).read_step(0)
+    verify = BufferReader(str(tmp_path), verify=False)  # checksums off: the damage goes through...
+    if column in ("logprobs", "rewards", "group_id"):
+        verify.read_step(0)  # ...which is what buffer.verify_checksums=true is for
+
+
+def test_damaged_hdf5_structure_is_detected(tmp_path):
+    path = commit_one(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(0)
+        f.write(b"\x00" * 64)  # the superblock
+    with pytest.raises(CorruptShardError, match="part-00000.h5: not a readable HDF5 shard"):
         BufferReader(str(tmp_path)).read_step(0)
 
 
@@ -109,11 +135,13 @@ def test_corrupt_part_skipped_when_configured(tmp_path):
     w1.write(0, RolloutBatch.from_samples(make_samples(seed=2)))
     w0.commit(0)
     bad = os.path.join(step_dir(str(tmp_path), 0), "part-00001.h5")
-    with open(bad, "r+b") as f:
-        f.seek(200)
-        f.write(b"\xff" * 8)
+    flip_byte(bad, data_offset(bad, "logprobs"))
     reader = BufferReader(str(tmp_path), on_corrupt="skip")
     assert len(reader.read_step(0)) == 6 and "part-00001.h5" in reader.skipped_parts[0]
+    from pipeline.buffer.tools import verify
+
+    ok, report = verify(str(tmp_path))
+    assert not ok and "CORRUPT" in report and "part-00001.h5" in report
 
 
 def test_unknown_schema_version_and_missing_column_refused(tmp_path):

@@ -1,7 +1,8 @@
 """Reading rollout shards: committed steps only, checksums verified, columns read on demand.
 
 A step exists for a reader when step_K/COMMIT.json exists. Each part's size is checked against the
-commit record; with verify=True its CRC-32 too (and HDF5's per-chunk Fletcher-32 guards every read).
+commit record; with verify=True every column read is checked against its xxh3-64 checksum (damaged
+HDF5 structure fails the open or the read and is reported the same way).
 A corrupt part raises `CorruptShardError` naming the file, or is skipped with a warning when
 on_corrupt="skip" — nothing silently wrong enters training. Files open with HDF5 locking off, as
 Lustre needs; it is safe because no file is ever written by two processes.
@@ -12,14 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-import zlib
 from typing import Callable
 
 import h5py
 import numpy as np
 
 from pipeline.buffer.schema import PER_SAMPLE, REQUIRED_COLUMNS, SCHEMA_VERSION, RolloutBatch
-from pipeline.buffer.writer import COMMIT_NAME, step_dir
+from pipeline.buffer.writer import COMMIT_NAME, checksum, step_dir
 from pipeline.errors import UserError
 from pipeline.utils.fs import read_json
 
@@ -31,18 +31,9 @@ class CorruptShardError(UserError):
     pass
 
 
-def file_crc32(path: str, chunk: int = 8 << 20) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return crc
-            crc = zlib.crc32(b, crc)
-
-
-def read_shard(path: str, columns: tuple[str, ...] | None = None) -> RolloutBatch:
-    """Read one shard file; `columns` limits which large token-level columns are loaded."""
+def read_shard(path: str, columns: tuple[str, ...] | None = None, checksums: dict[str, str] | None = None) -> RolloutBatch:
+    """Read one shard file; `columns` limits which columns are loaded; with `checksums` (from the
+    commit record) every column read is verified."""
     try:
         f = h5py.File(path, "r", locking=False)
     except OSError as e:
@@ -56,22 +47,36 @@ def read_shard(path: str, columns: tuple[str, ...] | None = None) -> RolloutBatc
             raise CorruptShardError(f"{path}: missing columns {missing}")
         want = set(columns) if columns is not None else None
 
+        def verify(name, value):
+            if checksums is not None and name in checksums and checksum(value) != checksums[name]:
+                raise CorruptShardError(f"{path}: column {name!r} checksum mismatch (the file changed after commit)")
+            return value
+
         def get(name, empty_dtype):
             if want is not None and name not in want:
                 return np.zeros(0, dtype=empty_dtype)
             try:
-                return f[name][()]
-            except OSError as e:
-                raise CorruptShardError(f"{path}: column {name!r} fails its checksum ({e})") from None
+                return verify(name, f[name][()])
+            except (OSError, ValueError, KeyError) as e:
+                raise CorruptShardError(f"{path}: column {name!r} unreadable ({e})") from None
 
         data = {c: get(c, np.int64) for c in PER_SAMPLE + ("sample_offsets",)}
-        meta = get("metadata", object)
+        meta = []
+        if want is None or "metadata" in want:
+            try:
+                meta = [m.decode() if isinstance(m, bytes) else str(m) for m in f["metadata"][()]]
+            except (OSError, ValueError) as e:
+                raise CorruptShardError(f"{path}: column 'metadata' unreadable ({e})") from None
+            verify("metadata", meta)
+        comps = {}
+        if "reward_components" in f and (want is None or "reward_components" in want):
+            comps = {k: verify(f"reward_components/{k}", v[()]) for k, v in f["reward_components"].items()}
         return RolloutBatch(
             tokens=get("tokens", np.int32),
             loss_mask=get("loss_mask", np.uint8),
             logprobs=get("logprobs", np.float32),
-            metadata=[m.decode() if isinstance(m, bytes) else str(m) for m in meta],
-            reward_components={k: v[()] for k, v in f["reward_components"].items()} if "reward_components" in f else {},
+            metadata=meta,
+            reward_components=comps,
             routed_experts=get("routed_experts", np.uint8) if "routed_experts" in f else None,
             **data,
         )
@@ -123,8 +128,6 @@ class BufferReader:
         size = os.path.getsize(path)
         if size != part["bytes"]:
             return f"{path}: {size} bytes, the commit record says {part['bytes']} (truncated or overwritten)"
-        if self.verify and file_crc32(path) != part["crc32"]:
-            return f"{path}: CRC-32 mismatch (the file changed after it was committed)"
         return None
 
     def read_step(self, step: int, columns: tuple[str, ...] | None = None) -> RolloutBatch:
@@ -137,7 +140,7 @@ class BufferReader:
             batch = None
             if problem is None:
                 try:
-                    batch = read_shard(path, columns)
+                    batch = read_shard(path, columns, part.get("checksums") if self.verify else None)
                 except CorruptShardError as e:
                     problem = str(e)
             if problem is not None:

@@ -227,8 +227,9 @@ class BufferConfig:
     """A corrupt or truncated shard: stop the run, or skip that part (logged and counted)."""
     keep_consumed: bool = True
     """Keep rollout steps on disk after training on them; false deletes each step once it is trained on."""
-    compression: Literal["gzip", "lzf", "none"] = "gzip"
-    """HDF5 filter for token, mask and routing columns (shuffle + this)."""
+    compression: Literal["gzip", "lzf", "none"] = "none"
+    """HDF5 filter for token, mask and routing columns (shuffle + this). none writes at the filesystem's
+    raw speed; gzip shrinks routing traces 5x (0.19 B/slot) at ~100 MB/s per core (BENCHMARKS.md)."""
     compression_level: int = 1
     """gzip level (1 is fast and already shrinks routing traces well)."""
 

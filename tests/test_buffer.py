@@ -223,3 +223,51 @@ def test_select_and_concat_keep_samples_intact():
     assert sel.sequence(0).tolist() == b.sequence(4).tolist() and sel.routing(1).tolist() == b.routing(1).tolist()
     cat = RolloutBatch.concat([b.select([0, 1]), b.select([2, 3, 4, 5])])
     assert cat.tokens.tolist() == b.tokens.tolist() and cat.routed_experts.tolist() == b.routed_experts.tolist()
+
+
+def test_select_fresh_by_weight_version_and_aborted_kept():
+    from pipeline.buffer.reader import aborted_samples, select_fresh
+
+    samples = make_samples(n=6)
+    for i, s in enumerate(samples):
+        s.weight_version = [5, 4, 3, 5, 2, 4][i]
+    samples[1].status = "aborted"
+    b = RolloutBatch.from_samples(samples)
+    fresh, dropped = select_fresh(b, current_version=5, max_staleness=1)
+    assert fresh.weight_version.tolist() == [5, 4, 5, 4] and dropped == 2
+    assert aborted_samples(b).tolist() == [1]
+
+
+def test_gc_removes_commit_first(tmp_path):
+    from pipeline.buffer.writer import remove_step
+
+    commit_one(tmp_path, step=0)
+    commit_one(tmp_path, step=1)
+    remove_step(str(tmp_path), 0)
+    assert BufferReader(str(tmp_path)).committed_steps() == [1]
+    assert not os.path.exists(step_dir(str(tmp_path), 0))
+
+
+def test_inspect_table(tmp_path):
+    from pipeline.buffer.tools import inspect
+
+    commit_one(tmp_path, step=0)
+    os.makedirs(step_dir(str(tmp_path), 1))  # a step that never committed
+    text = inspect(str(tmp_path))
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["step", "parts", "samples", "tokens"]
+    assert lines[1].split()[:3] == ["0", "1", "6"]
+    assert "uncommitted (ignored by readers): ['step_000001']" in text
+
+
+def test_buffer_benchmark_runs(tmp_path):
+    out = tmp_path / "b.json"
+    res = subprocess.run([sys.executable, "bench/buffer_bench.py", "--samples", "16", "--tokens", "64", "--steps", "1",
+                          "--layers", "2", "--topk", "2", "--experts", "8", "--dir", str(tmp_path), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+    assert res.returncode == 0, res.stderr
+    import json
+
+    rows = json.load(open(out))["results"]
+    assert len(rows) == 6 and all(r["write_MBps"] > 0 and r["read_MBps"] > 0 for r in rows)
+    assert all(r["routing_bytes_per_slot"] <= 2 for r in rows if r["routing"])

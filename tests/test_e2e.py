@@ -80,8 +80,11 @@ FAST = ["num_rollout=6", "rollout_batch_size=8", "global_batch_size=64", "checkp
 
 def test_two_trainer_ranks_and_two_engines(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *FAST, "train.num_gpus=2",
-                   "engine.num_engines=2", "--no-progress")
+                   "engine.num_engines=2", "buffer.keep_consumed=false", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
+    from pipeline.buffer.reader import BufferReader
+
+    assert BufferReader(f"{tmp_path}/run/buffer").committed_steps() == []  # consumed steps were collected
     records = read_metrics(f"{tmp_path}/run")
     assert len(records) == 6 and records[-1]["weights/version"] == 6
     assert records[0]["train/rollout_logprob_max_abs_diff"] < 1e-4

@@ -78,6 +78,8 @@ class RolloutConfig:
     """An engine request that takes longer than this fails and is retried on another engine."""
     max_retries: int = 3
     """Attempts per request before the step fails."""
+    tito_checks: bool = True
+    """Report rollout/tito_* (re-tokenisation drift, alternate EOS, special tokens in responses)."""
 
     def __post_init__(self):
         _positive(

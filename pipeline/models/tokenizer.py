@@ -28,6 +28,10 @@ class Tokenizer:
     chat_template: str | None = None
 
     @property
+    def special_ids(self) -> set[int]:
+        return {i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special}
+
+    @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 

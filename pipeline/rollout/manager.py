@@ -24,6 +24,7 @@ from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rollout.client import EnginePool, Generation
 from pipeline.rollout.data import Prompt, PromptDataset
 from pipeline.rollout.rewards import resolve_reward, score
+from pipeline.rollout.tito import check_sample, token_hash
 
 log = logging.getLogger("lockstep.rollout")
 
@@ -112,6 +113,12 @@ class RolloutManager:
         reward, comps, error = score(self.reward_fn, text, prompt.label, prompt.metadata)
         status = "failed" if error else FINISH_TO_STATUS.get(gen.finish_reason, "completed")
         meta = dict(prompt.metadata)
+        meta["token_hash"] = token_hash(list(prompt.input_ids) + list(gen.output_ids))
+        if self.cfg.rollout.tito_checks:
+            report = check_sample(prompt.input_ids, gen.output_ids, self.tokenizer, [self.tokenizer.eos_token_id],
+                                  prompt.text)
+            if report.issues:
+                meta["tito"] = report.issues
         if error:
             meta["reward_error"] = error
         return Sample(group_id=group, sample_idx=i, prompt_idx=prompt.index, prompt_ids=prompt.input_ids,
@@ -133,6 +140,8 @@ class RolloutManager:
             "rollout/generate_time_s": elapsed,
             "rollout/tokens_per_s": float(batch.response_len.sum()) / max(elapsed, 1e-9),
             "rollout/weight_version_min": int(batch.weight_version.min()) if len(batch) else 0,
+            **{f"rollout/tito_{kind}_frac": sum(kind in s.metadata.get("tito", ()) for s in samples) / n
+               for kind in ("retokenize_drift", "alternate_eos", "special_token_in_response")},
         }
 
 

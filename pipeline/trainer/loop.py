@@ -26,6 +26,7 @@ from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.observability.metrics import MetricsWriter
 from pipeline.rollout.client import EngineClient
+from pipeline.rollout.tito import verify_batch
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
 from pipeline.trainer.fsdp import FSDPBackend
@@ -108,7 +109,9 @@ class Trainer:
         if self.rank == 0:
             rdzv.request_step(self.layout.root, step, version)
         commit = self.reader.wait_for_step(step, timeout_s=self.cfg.rollout.request_timeout_s * 50)
-        return self.reader.read_step(step), commit
+        batch = self.reader.read_step(step)
+        commit.setdefault("rollout", {})["train/tito_mismatch"] = verify_batch(batch)
+        return batch, commit
 
     def train_on(self, batch: RolloutBatch) -> dict:
         cfg, b = self.cfg, self.backend

@@ -1,6 +1,7 @@
 """`lockstep`: the command line. Thin: parse, import late, call one function, turn UserError into one line.
 
   lockstep run CONFIG [key.sub=value ...]      run the job on this machine (engines, rollout, trainer)
+  lockstep submit CONFIG [overrides] [--cluster NAME] [--dry-run] [--wait]   submit to Slurm
   lockstep config show CONFIG [overrides]      print the resolved config
   lockstep config options                      every option with its type, default and meaning
   lockstep buffer inspect|verify RUN_DIR     per-step table of the rollout buffer / check every checksum
@@ -30,6 +31,51 @@ def cmd_run(args) -> int:
     run_local(cfg, layout, progress=not args.no_progress)
     if cfg.logging.plot:
         plot_rewards(layout.root)
+    print(summary(layout.root))
+    return 0
+
+
+def cmd_submit(args) -> int:
+    import dataclasses
+    import time
+
+    from pipeline.config import load_config
+    from pipeline.launch.prepare import prepare_run
+    from pipeline.launch.slurm.plan import check_request
+    from pipeline.launch.slurm.profile import load_profile
+    from pipeline.launch.slurm.submit import dry_run, submit
+
+    cfg = load_config(args.config, args.overrides)
+    if args.cluster:
+        cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, cluster=args.cluster))
+    profile = load_profile(cfg.slurm.cluster)
+    check_request(cfg, profile)  # refuse impossible requests before touching the run directory
+    cfg, layout = prepare_run(cfg)
+    if args.dry_run:
+        for path in dry_run(cfg, profile, layout.root):
+            print(f"# {path}")
+            print(open(path).read())
+        return 0
+    jobs = submit(cfg, layout.root, profile)
+    print(f"lockstep: submitted {', '.join(j.job_id for j in jobs)} ({cfg.slurm.mode}, cluster {profile.name});"
+          f" run_dir {layout.root}", file=sys.stderr)
+    if not args.wait:
+        return 0
+    from pipeline.observability.metrics import read_metrics
+    from pipeline.observability.report import ProgressBar, plot_rewards, summary
+
+    bar = ProgressBar(cfg.num_rollout, enabled=cfg.logging.progress)
+    while not all(j.done() for j in jobs):
+        bar.update(read_metrics(layout.root), status=f"job {jobs[0].job_id} {jobs[0].state}")
+        time.sleep(2)
+    bar.close()
+    for j in jobs:
+        try:
+            result = j.result()  # the driver's summary, or the error it ended the job with
+        except Exception as e:  # submitit re-raises the job's failure here
+            raise ComponentFailed(f"slurm job {j.job_id}", None, str(e)[-3000:]) from None
+        print(f"job {j.job_id}: {result}", file=sys.stderr)
+    plot_rewards(layout.root)
     print(summary(layout.root))
     return 0
 
@@ -82,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="key.sub=value (or a unique leaf name: rollout_batch_size=8)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_run)
+
+    sb = sub.add_parser("submit", help="submit the job to Slurm (heterogeneous job through submitit)")
+    sb.add_argument("config")
+    sb.add_argument("overrides", nargs="*")
+    sb.add_argument("--cluster", default=None, help="cluster profile from env/ (default: slurm.cluster)")
+    sb.add_argument("--dry-run", action="store_true", help="write and print the batch script(s), submit nothing")
+    sb.add_argument("--wait", action="store_true", help="follow the job to its end (progress, summary)")
+    sb.set_defaults(fn=cmd_submit)
 
     c = sub.add_parser("config", help="show the resolved config or list all options")
     c.add_argument("action", choices=["show", "options"])

@@ -264,6 +264,59 @@ class LoggingConfig:
 
 
 @dataclass
+class SlurmGroupConfig:
+    nodes: int = 1
+    """Nodes of this component."""
+    gpus_per_node: int = 0
+    """GPUs per node requested for this component (--gpus-per-node); 0 requests none."""
+    tasks_per_node: int = 1
+    """Processes per node (trainer: one per GPU; rollout: engines per node)."""
+    cpus_per_task: int = 1
+    """CPU cores per process (--cpus-per-task)."""
+    partition: str | None = None
+    """Slurm partition; null takes the cluster profile's default."""
+    mem_gb: float | None = None
+    """Memory per node in GB; null takes the partition default."""
+
+    def __post_init__(self):
+        _positive("slurm group", nodes=self.nodes, tasks_per_node=self.tasks_per_node, cpus_per_task=self.cpus_per_task)
+        if self.gpus_per_node < 0:
+            raise ConfigError(f"gpus_per_node must be >= 0 (got {self.gpus_per_node})")
+
+
+@dataclass
+class SlurmConfig:
+    mode: Literal["hetjob", "colocated", "paired"] = "hetjob"
+    """hetjob: one job, a trainer and a rollout component; colocated: one component runs both;
+    paired: two jobs (for sites without hetjobs) that find each other through the run directory."""
+    cluster: str = "generic-nvidia"
+    """Cluster profile from env/<name>.yaml (modules, NCCL/RCCL/IB variables, container)."""
+    job_name: str = "lockstep"
+    """Slurm job name."""
+    time_min: int = 240
+    """Wall-clock limit in minutes (--time)."""
+    account: str | None = None
+    """--account."""
+    qos: str | None = None
+    """--qos."""
+    trainer: SlurmGroupConfig = field(default_factory=lambda: SlurmGroupConfig(gpus_per_node=8, tasks_per_node=8))
+    """The trainer component (het group 0). nodes x tasks_per_node must equal train.num_gpus."""
+    rollout: SlurmGroupConfig = field(default_factory=lambda: SlurmGroupConfig(gpus_per_node=8, tasks_per_node=1))
+    """The rollout component (het group 1): engines (tasks_per_node per node) and the rollout manager."""
+    signal_delay_s: int = 120
+    """Slurm sends USR2 this long before the time limit (or at pre-emption): checkpoint and requeue."""
+    max_requeues: int = 3
+    """Requeues after time-outs before the job is left failed."""
+    checkpoint_timeout_s: float = 300.0
+    """How long a signalled job waits for the trainer's checkpoint before stopping the components."""
+    submit_dir: str | None = None
+    """submitit's job folder (pickles, batch logs); null: run_dir/slurm."""
+
+    def __post_init__(self):
+        _positive("slurm", time_min=self.time_min, signal_delay_s=self.signal_delay_s)
+
+
+@dataclass
 class RunConfig:
     run_dir: str = "runs/tiny"
     """The run directory on a shared filesystem: config, rendezvous, buffer, checkpoints, metrics."""
@@ -291,6 +344,8 @@ class RunConfig:
     """Checkpoints and export."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Terminal output and plots."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Submission to Slurm (`lockstep submit`); ignored by `lockstep run`."""
 
     def __post_init__(self):
         _positive("", num_rollout=self.num_rollout)

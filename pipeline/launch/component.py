@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from pipeline.launch.net import bind_address
+
 
 def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     """Arguments of the built-in engine server for engine `index` of this run."""
@@ -23,7 +25,7 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     context = cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len
     argv = [
         "--model-path", RunLayout(run_dir).model_dir(cfg),
-        "--host", os.environ.get("LOCKSTEP_ENGINE_HOST", e.host),
+        "--host", os.environ.get("LOCKSTEP_ENGINE_HOST") or bind_address(default=e.host),
         "--port", "0",
         "--max-running-requests", str(e.max_running_requests),
         "--context-length", str(context),
@@ -35,6 +37,25 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     if cfg.determinism.true_on_policy:
         argv.append("--true-on-policy")
     return argv
+
+
+def trainer_env_from_slurm(run_dir: str) -> None:
+    """Under srun: torchrun-style variables from SLURM_*; rank 0 publishes the rendezvous address."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    from pipeline.launch import rendezvous as rdzv
+
+    rank = int(os.environ["SLURM_PROCID"])
+    os.environ.update(RANK=str(rank), WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
+                      LOCAL_WORLD_SIZE=os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    path = os.path.join(rdzv.rdzv_dir(run_dir), "trainer.json")
+    if rank == 0:
+        host = bind_address()
+        rdzv.publish(path, {"master_addr": host, "master_port": rdzv.free_port(host), "job": os.environ.get("SLURM_JOB_ID")})
+    info = rdzv.wait_for(path, timeout_s=600)
+    os.environ.update(MASTER_ADDR=info["master_addr"], MASTER_PORT=str(info["master_port"]))
+    os.environ.setdefault("LOCKSTEP_WEIGHTS_HOST", info["master_addr"])
 
 
 def main(argv=None) -> None:
@@ -53,7 +74,7 @@ def main(argv=None) -> None:
         from pipeline.rollout.engine import server
 
         cfg = load_resolved(args.run_dir)
-        index = args.index if args.index is not None else int(os.environ.get("LOCKSTEP_ENGINE_INDEX", 0))
+        index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", 0))
         server.main(engine_argv(cfg, args.run_dir, index))
     elif args.role == "rollout":
         from pipeline.rollout import manager
@@ -62,6 +83,7 @@ def main(argv=None) -> None:
     else:
         from pipeline.trainer import loop
 
+        trainer_env_from_slurm(args.run_dir)
         loop.main(args.run_dir)
 
 

@@ -61,15 +61,16 @@ class Supervisor:
         self.procs: list[Proc] = []
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> Proc:
+        """Start component entry point `python -m pipeline.launch.component ARGS`."""
+        return self.start_command(name, [sys.executable, "-m", "pipeline.launch.component", *args], env)
+
+    def start_command(self, name: str, cmd: list[str], env: dict | None = None, required: bool = True) -> Proc:
         path = self.layout.log_file(name)
         logf = open(path, "ab")
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.launch.component", *args],
-            stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})), start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        popen = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})),
+                                 start_new_session=True, preexec_fn=_die_with_parent)
         logf.close()
-        proc = Proc(name, popen, path)
+        proc = Proc(name, popen, path, required)
         self.procs.append(proc)
         return proc
 
@@ -77,7 +78,7 @@ class Supervisor:
         """Raise ComponentFailed for the first process that exited with an error."""
         for p in self.procs:
             rc = p.popen.poll()
-            if rc not in (None, 0):
+            if rc not in (None, 0) and p.required:
                 raise ComponentFailed(p.name, rc, tail(p.log_path))
 
     def stop_all(self, grace_s: float = 5.0) -> None:

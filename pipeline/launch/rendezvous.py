@@ -98,3 +98,40 @@ def reset_control(run_dir: str) -> None:
             for name in os.listdir(d):
                 os.unlink(os.path.join(d, name))
         os.makedirs(d, exist_ok=True)
+
+
+def checkpoint_request_file(run_dir: str) -> str:
+    return os.path.join(control_dir(run_dir), "CHECKPOINT")
+
+
+def request_checkpoint(run_dir: str, reason: str) -> None:
+    """Ask the trainer to checkpoint at its next safe point and exit (pre-emption, time limit)."""
+    publish(checkpoint_request_file(run_dir), {"reason": reason})
+
+
+def checkpoint_requested(run_dir: str) -> bool:
+    return os.path.exists(checkpoint_request_file(run_dir))
+
+
+def checkpoint_done_file(run_dir: str) -> str:
+    return os.path.join(control_dir(run_dir), "CHECKPOINT_DONE")
+
+
+def failed_file(run_dir: str) -> str:
+    return os.path.join(control_dir(run_dir), "FAILED")
+
+
+def reset_role(run_dir: str, role: str) -> None:
+    """Clear what one side of a run publishes before it (re)starts: the trainer side owns control/ and
+    the trainer/weights addresses, the rollout side the engine addresses (paired jobs start apart)."""
+    os.makedirs(control_dir(run_dir), exist_ok=True)
+    os.makedirs(rdzv_dir(run_dir), exist_ok=True)
+    doomed = []
+    if role in ("all", "trainer"):
+        doomed += [os.path.join(control_dir(run_dir), n) for n in os.listdir(control_dir(run_dir))]
+        doomed += [os.path.join(rdzv_dir(run_dir), n) for n in ("trainer.json", "weights.json")]
+    if role in ("all", "rollout"):
+        doomed += [os.path.join(rdzv_dir(run_dir), n) for n in os.listdir(rdzv_dir(run_dir)) if n.startswith("engine_")]
+    for path in doomed:
+        if os.path.exists(path):
+            os.unlink(path)

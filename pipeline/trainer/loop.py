@@ -24,6 +24,7 @@ from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
 from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
+from pipeline.launch.net import bind_address
 from pipeline.observability.metrics import MetricsWriter
 from pipeline.rollout.client import EngineClient
 from pipeline.rollout.tito import verify_batch
@@ -83,7 +84,20 @@ class Trainer:
                 remove_step(self.layout.buffer, step)
             if self.should_save(step + 1):
                 self.save(step + 1)
+            if step + 1 < cfg.num_rollout and self.preemption_requested():
+                if not self.should_save(step + 1):
+                    self.save(step + 1)
+                if self.rank == 0:
+                    rdzv.publish(rdzv.checkpoint_done_file(self.layout.root), {"step": step + 1})
+                log.info("checkpointed at step %d on request; exiting for requeue", step + 1)
+                return
         self.finish()
+
+    def preemption_requested(self) -> bool:
+        """Rank 0 looks for control/CHECKPOINT (the Slurm driver writes it on USR2); all ranks agree."""
+        flag = 1.0 if self.rank == 0 and rdzv.checkpoint_requested(self.layout.root) else 0.0
+        (flag,) = all_reduce([flag], self.device, op=dist.ReduceOp.MAX)
+        return flag > 0
 
     # ---- pieces --------------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -100,7 +114,7 @@ class Trainer:
         urls = rdzv.engine_urls(self.layout.root, self.cfg.engine.num_engines)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=os.environ.get("LOCKSTEP_API_KEY"))
                    for u in urls]
-        host = os.environ.get("LOCKSTEP_WEIGHTS_HOST", "127.0.0.1")
+        host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = BroadcastSender(self.cfg.weights, clients, self.device, host,
                                       publish_path=os.path.join(rdzv.rdzv_dir(self.layout.root), "weights.json"))
         self.sender.connect()

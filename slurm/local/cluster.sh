@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# A real Slurm cluster on this machine, for tests and for trying Lockstep's Slurm path:
+# munged, MariaDB + slurmdbd (submitit reads job states through sacct), slurmctld and 4 slurmd
+# daemons acting as fake nodes n1..n4 (4 CPUs each). Everything lives in $LOCKSTEP_SLURM_STATE.
+#
+#   slurm/local/cluster.sh install   apt-get the Debian packages (root; ~30 s)
+#   slurm/local/cluster.sh start     write configs, start daemons, wait until the nodes are idle
+#   slurm/local/cluster.sh stop      stop the daemons this script started (by PID)
+#   slurm/local/cluster.sh env       print `export SLURM_CONF=...` for clients
+set -euo pipefail
+STATE=${LOCKSTEP_SLURM_STATE:-/tmp/lockstep-slurm}
+NODES=${LOCKSTEP_SLURM_NODES:-4}
+HOST=$(hostname -s)
+CONF=$STATE/slurm.conf
+DB_PORT=${LOCKSTEP_SLURM_DB_PORT:-3417}
+DBD_PORT=${LOCKSTEP_SLURM_DBD_PORT:-6919}
+CTLD_PORT=${LOCKSTEP_SLURM_CTLD_PORT:-6917}
+NODE_PORT0=${LOCKSTEP_SLURM_NODE_PORT:-17001}
+export SLURM_CONF=$CONF
+
+say() { echo "[slurm-local] $*" >&2; }
+
+install() {
+  command -v slurmctld >/dev/null && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null && return 0
+  [ "$(id -u)" = 0 ] || { say "installing Slurm needs root (apt-get)"; exit 1; }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q munge slurmctld slurmd slurm-client slurmdbd mariadb-server >/dev/null
+}
+
+write_configs() {
+  mkdir -p "$STATE"/{ctld,nodes,tmp,db,log}
+  local last=$((NODE_PORT0 + NODES - 1))
+  cat > "$CONF" <<EOF
+ClusterName=lockstep
+SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=cred_expire=10
+StateSaveLocation=$STATE/ctld
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdSpoolDir=$STATE/nodes/%n
+SlurmdPidFile=$STATE/nodes/%n.pid
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+TmpFS=$STATE/tmp/%n
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+SchedulerParameters=bf_interval=1,bf_resolution=1,bf_hetjob_immediate,sched_interval=2
+EnforcePartLimits=ALL
+KillWait=5
+ReturnToService=2
+JobRequeue=1
+MinJobAge=600
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName=n[1-$NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$NODE_PORT0-$last] CPUs=4 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP
+EOF
+  cat > "$STATE/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$STATE/slurmdbd.pid
+LogFile=$STATE/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=root
+StorageLoc=slurm_acct_db
+EOF
+  chmod 600 "$STATE/slurmdbd.conf"
+  for i in $(seq 1 "$NODES"); do mkdir -p "$STATE/nodes/n$i" "$STATE/tmp/n$i"; done
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+  local t=$1 what=$2; shift 2
+  for _ in $(seq 1 $((t * 5))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
+  say "timed out waiting for $what"; return 1
+}
+
+start() {
+  install
+  write_configs
+  # munge: a key, then the daemon (its own pid file)
+  mkdir -p /etc/munge /run/munge /var/log/munge /var/lib/munge
+  [ -s /etc/munge/munge.key ] || { dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null; chmod 400 /etc/munge/munge.key; }
+  if ! munge -n >/dev/null 2>&1; then
+    munged --force --pid-file="$STATE/munged.pid" --socket=/run/munge/munge.socket.2 >/dev/null 2>&1
+  fi
+  wait_for 10 munged munge -n
+  # MariaDB for accounting (bound to loopback, own data dir and port)
+  if [ ! -d "$STATE/db/mysql" ]; then
+    mariadb-install-db --user=root --datadir="$STATE/db" --auth-root-authentication-method=normal >/dev/null 2>&1
+  fi
+  if ! [ -S "$STATE/mysql.sock" ]; then
+    (setsid mariadbd --user=root --datadir="$STATE/db" --socket="$STATE/mysql.sock" --port="$DB_PORT" \
+       --bind-address=127.0.0.1 --pid-file="$STATE/mariadb.pid" --log-error="$STATE/log/mariadb.log" \
+       --skip-grant-tables=0 </dev/null >/dev/null 2>&1 &)
+  fi
+  wait_for 30 mariadb mariadb --socket="$STATE/mysql.sock" -uroot -e "select 1"
+  mariadb --socket="$STATE/mysql.sock" -uroot -e "create database if not exists slurm_acct_db"
+  slurmdbd  # reads slurmdbd.conf beside $SLURM_CONF
+  wait_for 20 slurmdbd bash -c "exec 3<>/dev/tcp/127.0.0.1/$DBD_PORT"
+  slurmctld -f "$CONF"
+  wait_for 20 slurmctld scontrol ping
+  for i in $(seq 1 "$NODES"); do slurmd -f "$CONF" -N "n$i"; done
+  wait_for 60 "idle nodes" bash -c "[ \"\$(sinfo -h -t idle -o %D)\" = $NODES ]"
+  # submitit polls sacct: make sure the cluster is known to accounting
+  sacctmgr -i add cluster lockstep >/dev/null 2>&1 || true
+  say "up: $NODES nodes ($(sinfo -h -o '%P %D %t' | tr '\n' ' ')); export SLURM_CONF=$CONF"
+}
+
+stop_pidfile() {
+  local f=$1
+  [ -f "$f" ] || return 0
+  local pid; pid=$(cat "$f")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rm -f "$f"
+}
+
+stop() {
+  for f in "$STATE"/nodes/*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
+  stop_pidfile "$STATE/slurmctld.pid"
+  stop_pidfile "$STATE/slurmdbd.pid"
+  stop_pidfile "$STATE/mariadb.pid"
+  stop_pidfile "$STATE/munged.pid"
+  say "stopped"
+}
+
+case "${1:-}" in
+  install) install ;;
+  start) start ;;
+  stop) stop ;;
+  env) echo "export SLURM_CONF=$CONF" ;;
+  *) echo "usage: $0 install|start|stop|env" >&2; exit 2 ;;
+esac

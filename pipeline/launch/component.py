@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from pipeline.launch.net import bind_address
@@ -66,6 +67,9 @@ def main(argv=None) -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--num-producers", type=int, default=1)
     args = p.parse_args(argv)
+    # Slurm's pre-emption signal is for the job's driver (it has the trainer checkpoint, then
+    # requeues); srun forwards signals to its tasks, so components ignore it instead of dying.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.role} %(name)s %(levelname)s %(message)s")
     from pipeline.config import load_resolved

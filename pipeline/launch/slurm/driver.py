@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover
 
 
 def srun_command(component: str, run_dir: str, *, group: int | None, nodes: int, ntasks: int, ntasks_per_node: int,
-                 profile: ClusterProfile, overlap: bool = False, python: str | None = None) -> list[str]:
+                 profile: ClusterProfile, overlap: bool = False, python: str | None = None,
+                 gpus_per_task: int = 0) -> list[str]:
     """One component's srun line (pure: tested against the reference scripts)."""
     logs = os.path.join(run_dir, "logs")
     name = {"trainer": "trainer_%t", "engine": "engine_%t", "rollout": "rollout"}[component]
@@ -48,6 +49,8 @@ def srun_command(component: str, run_dir: str, *, group: int | None, nodes: int,
         cmd.append(f"--het-group={group}")
     cmd += [f"--nodes={nodes}", f"--ntasks={ntasks}", f"--ntasks-per-node={ntasks_per_node}", "--kill-on-bad-exit=1",
             "--unbuffered", f"--output={logs}/{name}.log", f"--job-name={component}"]
+    if gpus_per_task:
+        cmd.append(f"--gpus-per-task={gpus_per_task}")  # each engine gets its own GPU
     if overlap:
         cmd.append("--overlap")
     c = profile.container
@@ -58,7 +61,8 @@ def srun_command(component: str, run_dir: str, *, group: int | None, nodes: int,
     return cmd + ["-m", "pipeline.launch.component", component, "--run-dir", run_dir]
 
 
-def plan_steps(cfg, profile: ClusterProfile, run_dir: str, role: str, mode: str) -> list[tuple[str, list[str]]]:
+def plan_steps(cfg, profile: ClusterProfile, run_dir: str, role: str, mode: str,
+               python: str | None = None) -> list[tuple[str, list[str]]]:
     """(name, srun argv) of every job step this driver starts."""
     s = cfg.slurm
     het = mode == "hetjob"
@@ -67,16 +71,17 @@ def plan_steps(cfg, profile: ClusterProfile, run_dir: str, role: str, mode: str)
         t = s.trainer
         steps.append(("trainer", srun_command("trainer", run_dir, group=0 if het else None, nodes=t.nodes,
                                               ntasks=t.nodes * t.tasks_per_node, ntasks_per_node=t.tasks_per_node,
-                                              profile=profile, overlap=mode == "colocated")))
+                                              profile=profile, overlap=mode == "colocated", python=python)))
     if role in ("all", "rollout"):
         r = s.trainer if mode == "colocated" else s.rollout
         group = 1 if het else None
         n_eng = cfg.engine.num_engines
         per_node = max(1, -(-n_eng // r.nodes))
         steps.append(("engines", srun_command("engine", run_dir, group=group, nodes=r.nodes, ntasks=n_eng,
-                                              ntasks_per_node=per_node, profile=profile, overlap=True)))
+                                              ntasks_per_node=per_node, profile=profile, overlap=True, python=python,
+                                              gpus_per_task=1 if r.gpus_per_node else 0)))
         steps.append(("rollout", srun_command("rollout", run_dir, group=group, nodes=1, ntasks=1, ntasks_per_node=1,
-                                              profile=profile, overlap=True)))
+                                              profile=profile, overlap=True, python=python)))
     return steps
 
 

@@ -34,7 +34,6 @@ def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
     if trainer_tasks != cfg.train.num_gpus:
         raise UserError(f"slurm.trainer: nodes x tasks_per_node = {trainer_tasks} but train.num_gpus = {cfg.train.num_gpus}:"
                         " make them equal (one trainer process per GPU)")
-    engine_group = s.trainer if s.mode == "colocated" else s.rollout
     engines = s.rollout.nodes * s.rollout.tasks_per_node
     if s.mode != "colocated" and engines != cfg.engine.num_engines:
         raise UserError(f"slurm.rollout: nodes x tasks_per_node = {engines} engines but engine.num_engines ="
@@ -46,10 +45,6 @@ def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
                             f" profile {profile.name!r} has {profile.gpus_per_node} GPUs per node")
         if profile.gpus_per_node and g.tasks_per_node > profile.gpus_per_node and comp.name == "trainer":
             raise UserError(f"slurm.trainer.tasks_per_node = {g.tasks_per_node} > {profile.gpus_per_node} GPUs per node")
-    if profile.gpu_vendor == "none" and (s.trainer.gpus_per_node or (s.mode != "colocated" and s.rollout.gpus_per_node)):
-        raise UserError(f"profile {profile.name!r} has no GPUs: set slurm.trainer.gpus_per_node=0 and"
-                        " slurm.rollout.gpus_per_node=0")
-    del engine_group
 
 
 def group_lines(comp: Component, cfg: RunConfig) -> list[str]:
@@ -69,8 +64,8 @@ def group_lines(comp: Component, cfg: RunConfig) -> list[str]:
     return lines
 
 
-def render_script(cfg: RunConfig, profile: ClusterProfile, run_dir: str, command: str, role: str = "all-components",
-                  output: str | None = None) -> str:
+def render_script(cfg: RunConfig, profile: ClusterProfile, run_dir: str, command: str, role: str = "all",
+                  output: str | None = None, python: str | None = None) -> str:
     """The batch script. `command` runs the driver (submitit's `_submit` or the driver module directly).
 
     hetjob: two components, `#SBATCH hetjob` between them; colocated: one; paired: call once per
@@ -104,5 +99,11 @@ def render_script(cfg: RunConfig, profile: ClusterProfile, run_dir: str, command
               f"export LOCKSTEP_CLUSTER={shlex.quote(profile.name)}",
               f"export LOCKSTEP_SLURM_MODE={s.mode}",
               f"export LOCKSTEP_SLURM_ROLE={role}",
-              "", "# the driver starts every component with srun and ends the job if one fails", command, ""]
+              "", "# The driver starts these job steps, watches them, and ends the job if one fails;",
+              "# on USR2 it has the trainer checkpoint, then requeues the job (which resumes from run_dir):"]
+    from pipeline.launch.slurm.driver import plan_steps
+
+    for name, argv in plan_steps(cfg, profile, run_dir, role, s.mode, python=python):
+        lines.append(f"#   {name}: {shlex.join(argv)}")
+    lines += [f"exec {command}", ""]
     return "\n".join(lines)

@@ -38,6 +38,7 @@ def dry_run(cfg: RunConfig, profile: ClusterProfile, run_dir: str) -> list[str]:
         path = os.path.join(out_dir, f"{cfg.slurm.mode}{'' if role == 'all' else '-' + role}.sbatch")
         with open(path, "w") as f:
             f.write(render_script(cfg, profile, run_dir, driver_command(run_dir, role), role=role))
+        os.chmod(path, 0o755)
         paths.append(path)
     return paths
 

@@ -1,7 +1,21 @@
 #!/usr/bin/env bash
-# The test suite: set up (with test dependencies), then pytest. Extra arguments go to pytest.
-# Exits non-zero when any test fails or when no test is collected (pytest exit 5).
+# The test suite: set up (with test dependencies), start a local Slurm cluster (slurm/local/cluster.sh:
+# needs root for apt and the daemons; without it the Slurm tests are skipped), run pytest, stop Slurm.
+# Extra arguments go to pytest. Exits non-zero when any test fails or none is collected (pytest exit 5).
+# LOCKSTEP_NO_SLURM=1 skips the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
-exec .venv/bin/python -m pytest "$@"
+started=""
+if [ -z "${LOCKSTEP_NO_SLURM:-}" ] && [ "$(id -u)" = 0 ]; then
+  if slurm/local/cluster.sh start; then
+    started=1
+    export SLURM_CONF=${LOCKSTEP_SLURM_STATE:-/tmp/lockstep-slurm}/slurm.conf LOCKSTEP_REQUIRE_SLURM=1
+  else
+    echo "scripts/test.sh: the local Slurm cluster did not start; its tests will fail" >&2
+    export LOCKSTEP_REQUIRE_SLURM=1
+  fi
+fi
+cleanup() { [ -n "$started" ] && slurm/local/cluster.sh stop || true; }
+trap cleanup EXIT
+.venv/bin/python -m pytest "$@"

@@ -92,6 +92,9 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
 
 start() {
   install
+  if [ -f "$CONF" ] && scontrol ping >/dev/null 2>&1 && [ "$(sinfo -h -t idle,alloc,mix -o %D 2>/dev/null)" = "$NODES" ]; then
+    say "already up ($CONF)"; return 0
+  fi
   write_configs
   # munge: a key, then the daemon (its own pid file)
   mkdir -p /etc/munge /run/munge /var/log/munge /var/lib/munge

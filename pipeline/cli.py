@@ -2,6 +2,7 @@
 
   lockstep run CONFIG [key.sub=value ...]      run the job on this machine (engines, rollout, trainer)
   lockstep submit CONFIG [overrides] [--cluster NAME] [--dry-run] [--wait]   submit to Slurm
+  lockstep nightly submit MATRIX | report DIR  scaling matrix as job arrays; table + plot vs nodes
   lockstep config show CONFIG [overrides]      print the resolved config
   lockstep config options                      every option with its type, default and meaning
   lockstep buffer inspect|verify RUN_DIR     per-step table of the rollout buffer / check every checksum
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pipeline.errors import ComponentFailed, UserError
@@ -80,6 +82,29 @@ def cmd_submit(args) -> int:
     return 0
 
 
+def cmd_nightly(args) -> int:
+    from pipeline.launch.slurm import nightly
+
+    if args.action == "report":
+        print(nightly.report(args.target))
+        return 0
+    matrix = nightly.load_matrix(args.target)
+    out = nightly.submit_matrix(matrix, dry_run=args.dry_run)
+    if args.dry_run:
+        for script in out["scripts"]:
+            print(f"# {script}\n{open(script).read()}")
+        return 0
+    print(f"lockstep: submitted arrays {[a['job'] for a in out['arrays']]}, series {[s['job'] for s in out['series']]}",
+          file=sys.stderr)
+    if args.wait:
+        states = nightly.wait(out)
+        print(json.dumps(states), file=sys.stderr)
+        print(nightly.report(matrix.out_dir))
+        if any(s != "COMPLETED" for s in states.values()):
+            return 1
+    return 0
+
+
 def cmd_config(args) -> int:
     from pipeline.config import RunConfig, dump_config, load_config
     from pipeline.config.core import option_table
@@ -136,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--dry-run", action="store_true", help="write and print the batch script(s), submit nothing")
     sb.add_argument("--wait", action="store_true", help="follow the job to its end (progress, summary)")
     sb.set_defaults(fn=cmd_submit)
+
+    n = sub.add_parser("nightly", help="scaling matrix as Slurm job arrays; report of step time vs nodes")
+    n.add_argument("action", choices=["submit", "report"])
+    n.add_argument("target", help="matrix YAML (submit) or its out_dir (report)")
+    n.add_argument("--dry-run", action="store_true")
+    n.add_argument("--wait", action="store_true")
+    n.set_defaults(fn=cmd_nightly)
 
     c = sub.add_parser("config", help="show the resolved config or list all options")
     c.add_argument("action", choices=["show", "options"])

@@ -168,3 +168,23 @@ def test_colocated_job(slurm, tmp_path):
                    "slurm.trainer.cpus_per_task=3", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(read_metrics(f"{tmp_path}/run")) == 6
+
+
+def test_nightly_matrix_job_array_and_report(slurm, tmp_path):
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(f"""base: configs/tiny-slurm-local.yaml
+out_dir: {tmp_path}/nightly
+overrides: [num_rollout=4, rollout.rollout_batch_size=8, train.global_batch_size=128, logging.progress=false,
+            logging.plot=false, checkpoint.export_hf=false]
+nodes: [1]
+models: [tiny-dense, tiny-moe]
+modes: [colocated]
+""")
+    res = lockstep("nightly", "submit", str(matrix), "--wait")
+    assert res.returncode == 0, res.stderr[-3000:]
+    submitted = json.load(open(tmp_path / "nightly" / "submitted.json"))
+    assert len(submitted["arrays"]) == 1 and len(submitted["arrays"][0]["runs"]) == 2
+    job = submitted["arrays"][0]["job"]
+    assert f'"{job}_0": "COMPLETED"' in res.stderr and f'"{job}_1": "COMPLETED"' in res.stderr
+    assert "| n1-tiny-moe-colocated | 1 | tiny-moe | colocated | 4 |" in res.stdout
+    assert os.path.getsize(tmp_path / "nightly" / "scaling.png") > 5000

@@ -76,8 +76,9 @@ def plan_steps(cfg, profile: ClusterProfile, run_dir: str, role: str, mode: str,
         r = s.trainer if mode == "colocated" else s.rollout
         group = 1 if het else None
         n_eng = cfg.engine.num_engines
-        per_node = max(1, -(-n_eng // r.nodes))
-        steps.append(("engines", srun_command("engine", run_dir, group=group, nodes=r.nodes, ntasks=n_eng,
+        eng_nodes = min(r.nodes, n_eng)
+        per_node = max(1, -(-n_eng // eng_nodes))
+        steps.append(("engines", srun_command("engine", run_dir, group=group, nodes=eng_nodes, ntasks=n_eng,
                                               ntasks_per_node=per_node, profile=profile, overlap=True, python=python,
                                               gpus_per_task=1 if r.gpus_per_node else 0)))
         steps.append(("rollout", srun_command("rollout", run_dir, group=group, nodes=1, ntasks=1, ntasks_per_node=1,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 
 from pipeline.algo.advantages import grpo_advantages, group_stats
-from pipeline.algo.losses import grpo_loss, kl_estimate, ppo_clip_loss
+from pipeline.algo.losses import grpo_loss, kl_estimate, off_policy_weights, policy_loss, reduction_scale, value_loss
 
 
 def test_grpo_advantages_by_hand():
@@ -37,7 +39,7 @@ def test_ppo_clip_by_hand():
     old = torch.zeros(4)
     adv = torch.tensor([1.0, 1.0, -2.0, 3.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    loss, m = ppo_clip_loss(logp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28, normalizer=3.0)
+    loss, m = policy_loss(logp, old, adv, mask, mask / 3.0, eps_clip=0.2, eps_clip_high=0.28)
     # token 0: ratio 1.5, A=1 -> max(-1.5, -1.28) = -1.28 (clipped)
     # token 1: ratio 0.5, A=1 -> max(-0.5, -0.8) = -0.5 (not clipped: the pessimistic term wins)
     # token 2: ratio 1.1, A=-2 -> max(2.2, 2.2) = 2.2
@@ -48,11 +50,11 @@ def test_ppo_clip_by_hand():
 
 def test_ppo_gradient_zero_when_clipped():
     logp = torch.tensor([math.log(1.5)], requires_grad=True)
-    loss, _ = ppo_clip_loss(logp, torch.zeros(1), torch.ones(1), torch.ones(1), 0.2, 0.2, 1.0)
+    loss, _ = policy_loss(logp, torch.zeros(1), torch.ones(1), torch.ones(1), torch.ones(1), eps_clip=0.2)
     loss.backward()
     assert float(logp.grad) == 0.0
     logp2 = torch.tensor([0.0], requires_grad=True)  # ratio 1: gradient -A * ratio
-    loss2, _ = ppo_clip_loss(logp2, torch.zeros(1), torch.tensor([2.0]), torch.ones(1), 0.2, 0.2, 1.0)
+    loss2, _ = policy_loss(logp2, torch.zeros(1), torch.tensor([2.0]), torch.ones(1), torch.ones(1), eps_clip=0.2)
     loss2.backward()
     assert float(logp2.grad) == -2.0
 
@@ -84,3 +86,90 @@ def test_lr_schedule():
     assert lr_factor(0, 4, 100, "constant", 0.0) == 0.25 and lr_factor(3, 4, 100, "constant", 0.0) == 1.0
     assert lr_factor(0, 0, 11, "cosine", 0.1) == 1.0 and abs(lr_factor(10, 0, 11, "cosine", 0.1) - 0.1) < 1e-12
     assert abs(lr_factor(5, 0, 11, "linear", 0.0) - 0.5) < 1e-12
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # ratio 5, A = -1: unclipped -A*r = 5, clipped -A*1.2 = 1.2 -> max 5 -> dual clip caps at -A*3 = 3
+    logp = torch.tensor([math.log(5.0), math.log(5.0)])
+    adv = torch.tensor([-1.0, 1.0])
+    loss, m = policy_loss(logp, torch.zeros(2), adv, torch.ones(2), torch.ones(2), eps_clip=0.2, eps_clip_c=3.0)
+    # token 1 (A=+1): max(-5, -1.2) = -1.2, untouched by the dual clip
+    assert abs(float(loss) - (3.0 - 1.2)) < 1e-6 and float(m["dual_clipfrac_sum"]) == 1.0
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # sample 0: token log-ratios 0.1, 0.3 -> sequence ratio exp(0.2) for both tokens; sample 1: exp(-0.1)
+    log_ratio = torch.tensor([0.1, 0.3, -0.1], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, m = policy_loss(log_ratio, torch.zeros(3), adv, torch.ones(3), torch.ones(3), eps_clip=0.5,
+                          ratio_type="sequence", sample_of_M=torch.tensor([0, 0, 1]), num_samples=2)
+    expected = -2 * math.exp(0.2) + math.exp(-0.1)
+    assert abs(float(loss.detach()) - expected) < 1e-6
+    loss.backward()
+    # d/dlogp_t of -A * s_i: -A * s_i for each token (the GSPO-token gradient)
+    assert torch.allclose(log_ratio.grad, torch.tensor([-math.exp(0.2), -math.exp(0.2), math.exp(-0.1)]), atol=1e-6)
+
+
+def test_reductions_by_hand():
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    sample_of = torch.tensor([0, 0, 1, 1])
+    lens = torch.tensor([2.0, 1.0])
+    assert torch.allclose(reduction_scale(mask, sample_of, lens, "token_mean", 6, 4, 8), mask / 6)
+    assert torch.allclose(reduction_scale(mask, sample_of, lens, "sample_mean", 6, 4, 8),
+                          torch.tensor([1 / 8, 1 / 8, 1 / 4, 0.0]))
+    assert torch.allclose(reduction_scale(mask, sample_of, lens, "seq_mean_token_sum", 6, 4, 8), mask / 32)
+
+
+def test_tis_and_icepop_by_hand():
+    old = torch.log(torch.tensor([0.5, 0.9, 0.1]))
+    rollout = torch.log(torch.tensor([0.1, 0.9, 0.4]))  # ratios 5, 1, 0.25
+    w, mask, m = off_policy_weights(old, rollout, torch.ones(3), kind="tis", cap=2.0)
+    assert torch.allclose(w, torch.tensor([2.0, 1.0, 0.25])) and torch.equal(mask, torch.ones(3))
+    assert float(m["is_truncated_sum"]) == 1.0
+    w, mask, m = off_policy_weights(old, rollout, torch.ones(3), kind="icepop", low=0.5, high=2.0)
+    assert torch.equal(mask, torch.tensor([0.0, 1.0, 0.0])) and float(m["is_masked_sum"]) == 2.0
+
+
+def test_value_loss_clipped_by_hand():
+    v, v_old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.0]), torch.tensor([0.0, 1.0])
+    loss, _ = value_loss(v, v_old, ret, torch.ones(2), eps_clip_value=0.2)
+    # token 0: max((1-0)^2, (0.7-0)^2) = 1 ; token 1: max(1, 1) = 1 ; times 0.5
+    assert abs(float(loss) - 1.0) < 1e-6
+
+
+def test_returns_and_gae_by_hand():
+    from pipeline.algo.advantages import gae_np, returns_np
+
+    assert returns_np(np.array([1.0, 0.0, 2.0]), 0.5).tolist() == [1.5, 1.0, 2.0]
+    r, v = np.array([0.0, 1.0]), np.array([0.2, 0.4])
+    adv, ret = gae_np(r, v, gamma=0.9, lam=0.8)
+    d1 = 1.0 - 0.4  # last token: V_next = 0
+    d0 = 0.0 + 0.9 * 0.4 - 0.2
+    assert np.allclose(adv, [d0 + 0.9 * 0.8 * d1, d1]) and np.allclose(ret, adv + v)
+
+
+def test_token_advantages_whitened_across_ranks():
+    """REINFORCE++ advantages of two 'ranks' whitened with global moments equal one rank holding all."""
+    from pipeline.buffer.schema import RolloutBatch, Sample
+    from pipeline.config.schema import AlgoConfig
+    from pipeline.trainer.targets import token_advantages
+
+    samples = [Sample(i // 2, i % 2, 0, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), reward=float(i % 3)) for i in range(6)]
+    batch = RolloutBatch.from_samples(samples)
+    cfg = AlgoConfig(advantage_estimator="reinforce_plus_plus_baseline", gamma=0.9)
+    single, _ = token_advantages(batch, list(range(6)), None, cfg, lambda *v: v)
+    parts = {}
+
+    def fake_allreduce(*v):  # the sum of both ranks' moments, as all_reduce would give
+        return tuple(a + b for a, b in zip(parts["a"], parts["b"]))
+
+    from pipeline.trainer import targets
+
+    raw_a = targets.token_advantages(batch, [0, 1, 2], None, cfg, lambda *v: parts.setdefault("a", v))
+    raw_b = targets.token_advantages(batch, [3, 4, 5], None, cfg, lambda *v: parts.setdefault("b", v))
+    del raw_a, raw_b
+    adv_a, _ = token_advantages(batch, [0, 1, 2], None, cfg, fake_allreduce)
+    adv_b, _ = token_advantages(batch, [3, 4, 5], None, cfg, fake_allreduce)
+    split = np.where(np.arange(len(single)) < batch.response_offsets[3], adv_a, adv_b)
+    assert np.allclose(split, single, atol=1e-6)
+    assert abs(single.mean()) < 1e-6

@@ -22,15 +22,17 @@ def run_world(world, tmp_path, model_dir, overrides, tag):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("which", ["dense_dir", "moe_dir"])
-def test_fsdp_two_ranks_equal_one(which, request, tmp_path):
+@pytest.mark.parametrize("which, algo", [("dense_dir", []), ("moe_dir", []),
+                                         ("dense_dir", ["advantage_estimator=ppo", "algo.kl_coef=0.05",
+                                                        "algo.off_policy_correction=tis", "loss_reduction=sample_mean"])])
+def test_fsdp_two_ranks_equal_one(which, algo, request, tmp_path):
     model_dir = request.getfixturevalue(which)
     # Two optimizer steps per rollout (global batch 8 of 16 samples) and tiny micro-batches, so the
     # micro-batch count differs between ranks and the padding path runs.
     # adam_eps=1 makes the update ~ lr * gradient (Adam's first step is otherwise ~ lr * sign(gradient),
     # which turns fp32 reduction-order noise in near-zero gradients into full-size differences).
     overrides = ["train.adam_eps=1.0", "train.lr=1.0", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=8",
-                 "train.max_tokens_per_gpu=20", "data.max_prompt_len=8", "rollout.rollout_max_response_len=4"]
+                 "train.max_tokens_per_gpu=20", "data.max_prompt_len=8", "rollout.rollout_max_response_len=4", *algo]
     one = run_world(1, tmp_path, model_dir, overrides, "w1")
     two = run_world(2, tmp_path, model_dir, overrides, "w2")
     _, init = load_model(model_dir)

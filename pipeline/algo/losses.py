@@ -1,9 +1,10 @@
 """Policy-gradient losses as pure functions returning (loss, metrics).
 
-Legend: M scored response tokens of a micro-batch. Every per-token input is [M]; `mask_M` is 1.0 for
-tokens that count. Losses are *sums* over tokens divided by `normalizer` (the token count of the whole
-global batch across ranks), so micro-batches and ranks add up to one token-mean. Metrics are sums
-too (keys ending in `_sum`), reduced and divided by the token count by the caller.
+Legend: M scored response tokens of a micro-batch; every per-token input is [M]. `mask_M` is 1.0 for
+tokens that count. `scale_M` carries the reduction: the loss is sum_t loss_t * scale_t, with scale
+built by `reduction_scale` from counts over the whole global batch (all ranks, all micro-batches),
+so micro-batches and ranks add up to exactly one token-mean, sample-mean or Dr. GRPO sum.
+Metrics are sums (keys ending in `_sum`); the caller reduces them and divides by the token count.
 """
 
 from __future__ import annotations
@@ -24,39 +25,112 @@ def kl_estimate(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kind: str) -> to
     raise ValueError(f"unknown kl type {kind!r}")
 
 
-def ppo_clip_loss(logp_M, old_logp_M, adv_M, mask_M, eps_clip: float, eps_clip_high: float,
-                  normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate, asymmetric clip range [1 - eps_clip, 1 + eps_clip_high]."""
+def reduction_scale(mask_M, sample_of_M, len_of_sample, kind: str, global_tokens: float, global_samples: float,
+                    max_len: int) -> torch.Tensor:
+    """Per-token weights for the reduction `kind` (token_mean | sample_mean | seq_mean_token_sum)."""
+    if kind == "token_mean":
+        return mask_M / max(global_tokens, 1.0)
+    if kind == "sample_mean":
+        return mask_M / len_of_sample[sample_of_M].clamp(min=1) / max(global_samples, 1.0)
+    if kind == "seq_mean_token_sum":  # Dr. GRPO: a constant normaliser, no length bias
+        return mask_M / (max(global_samples, 1.0) * max(max_len, 1))
+    raise ValueError(f"unknown loss reduction {kind!r}")
+
+
+def sequence_ratio(log_ratio_M: torch.Tensor, mask_M: torch.Tensor, sample_of_M: torch.Tensor, num_samples: int):
+    """GSPO's per-sample ratio exp(mean_t log r_t), broadcast to tokens with the token's own gradient
+    path: s_t = sg(s_i) * exp(log r_t - sg(log r_t)) (value s_i, gradient s_i * d log r_t / |y_i|)."""
+    sums = torch.zeros(num_samples, dtype=log_ratio_M.dtype, device=log_ratio_M.device)
+    sums = sums.index_add(0, sample_of_M, log_ratio_M * mask_M)
+    counts = torch.zeros_like(sums).index_add(0, sample_of_M, mask_M).clamp(min=1)
+    seq_log_ratio = (sums / counts)[sample_of_M]
+    return torch.exp(seq_log_ratio.detach() + log_ratio_M - log_ratio_M.detach()), seq_log_ratio
+
+
+def policy_loss(logp_M, old_logp_M, adv_M, mask_M, scale_M, *, eps_clip: float, eps_clip_high: float | None = None,
+                eps_clip_c: float | None = None, ratio_type: str = "token", sample_of_M=None, num_samples: int = 0,
+                is_weight_M=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with asymmetric clipping [1 - eps_clip, 1 + eps_clip_high], optional dual
+    clipping (negative advantages: loss at most -A * eps_clip_c) and GSPO's sequence-level ratio.
+    is_weight_M: off-policy correction weights (TIS), detached, multiplied into the token loss."""
+    high = eps_clip if eps_clip_high is None else eps_clip_high
     log_ratio = logp_M - old_logp_M
-    ratio = torch.exp(log_ratio)
+    if ratio_type == "sequence":
+        ratio, _ = sequence_ratio(log_ratio, mask_M, sample_of_M, num_samples)
+    else:
+        ratio = torch.exp(log_ratio)
     pg1 = -adv_M * ratio
-    pg2 = -adv_M * ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    pg2 = -adv_M * ratio.clamp(1 - eps_clip, 1 + high)
     pg_M = torch.maximum(pg1, pg2)
-    loss = (pg_M * mask_M).sum() / normalizer
+    clipped = (pg2 > pg1).float()
+    if eps_clip_c is not None:
+        pg3 = -adv_M * eps_clip_c
+        dual = (adv_M < 0) & (pg_M > pg3)
+        pg_M = torch.where(adv_M < 0, torch.minimum(pg_M, pg3), pg_M)
+    if is_weight_M is not None:
+        pg_M = pg_M * is_weight_M.detach()
+    loss = (pg_M * scale_M).sum()
     with torch.no_grad():
         metrics = {
             "pg_loss_sum": (pg_M * mask_M).sum(),
-            "clipfrac_sum": ((pg2 > pg1).float() * mask_M).sum(),
+            "clipfrac_sum": (clipped * mask_M).sum(),
             "approx_kl_sum": (0.5 * log_ratio**2 * mask_M).sum(),
             "ratio_sum": (ratio * mask_M).sum(),
-            "ratio_max": (ratio * mask_M).max() if mask_M.numel() else ratio.new_zeros(()),
         }
+        if eps_clip_c is not None:
+            metrics["dual_clipfrac_sum"] = (dual.float() * mask_M).sum()
     return loss, metrics
 
 
+def off_policy_weights(old_logp_M, rollout_logp_M, mask_M, *, kind: str, cap: float = 2.0, low: float = 0.5,
+                       high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Correction for the engine/trainer mismatch (rollout logprobs vs the trainer's old logprobs).
+
+    tis: w_t = min(pi_train / pi_rollout, cap) (truncated importance sampling).
+    icepop: tokens whose ratio leaves [low, high] are masked out of the loss (w = 1 elsewhere).
+    Returns (weights, mask, metrics incl. the effective sample size ESS = (sum w)^2 / (n sum w^2))."""
+    ratio = torch.exp(old_logp_M - rollout_logp_M).detach()
+    if kind == "tis":
+        w, mask = ratio.clamp(max=cap), mask_M
+    elif kind == "icepop":
+        keep = ((ratio >= low) & (ratio <= high)).float()
+        w, mask = torch.ones_like(ratio), mask_M * keep
+    else:
+        raise ValueError(f"unknown off-policy correction {kind!r}")
+    wm = w * mask
+    n = mask_M.sum().clamp(min=1)
+    metrics = {"is_weight_sum": wm.sum(), "is_weight_sq_sum": (wm**2).sum(),
+               "is_masked_sum": (mask_M - mask).sum(), "is_truncated_sum": ((ratio > cap).float() * mask_M).sum()
+               if kind == "tis" else torch.zeros((), device=ratio.device)}
+    del n
+    return w, mask, metrics
+
+
+def value_loss(values_M, old_values_M, returns_M, scale_M, eps_clip_value: float) -> tuple[torch.Tensor, dict]:
+    """Clipped value loss 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)."""
+    clipped = old_values_M + (values_M - old_values_M).clamp(-eps_clip_value, eps_clip_value)
+    v_M = 0.5 * torch.maximum((values_M - returns_M) ** 2, (clipped - returns_M) ** 2)
+    return (v_M * scale_M).sum(), {"value_loss_sum": (v_M * (scale_M > 0)).sum().detach()}
+
+
 def grpo_loss(logp_M, old_logp_M, adv_M, mask_M, *, eps_clip: float, eps_clip_high: float | None,
-              normalizer: float, ref_logp_M=None, kl_coef: float = 0.0, kl_type: str = "low_var_kl",
-              entropy_M=None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO/PPO policy loss + optional KL to a reference policy + optional entropy bonus."""
-    loss, metrics = ppo_clip_loss(logp_M, old_logp_M, adv_M, mask_M, eps_clip,
-                                  eps_clip if eps_clip_high is None else eps_clip_high, normalizer)
+              normalizer: float | None = None, scale_M=None, ref_logp_M=None, kl_coef: float = 0.0,
+              kl_type: str = "low_var_kl", entropy_M=None, entropy_coef: float = 0.0, eps_clip_c: float | None = None,
+              ratio_type: str = "token", sample_of_M=None, num_samples: int = 0, is_weight_M=None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy loss + optional KL to a reference policy + optional entropy bonus, one reduction for all."""
+    if scale_M is None:
+        scale_M = mask_M / normalizer
+    loss, metrics = policy_loss(logp_M, old_logp_M, adv_M, mask_M, scale_M, eps_clip=eps_clip,
+                                eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c, ratio_type=ratio_type,
+                                sample_of_M=sample_of_M, num_samples=num_samples, is_weight_M=is_weight_M)
     if kl_coef > 0:
         assert ref_logp_M is not None, "kl_coef > 0 needs reference logprobs"
         kl_M = kl_estimate(logp_M, ref_logp_M, kl_type)
-        loss = loss + kl_coef * (kl_M * mask_M).sum() / normalizer
+        loss = loss + kl_coef * (kl_M * scale_M).sum()
         metrics["kl_loss_sum"] = (kl_M * mask_M).sum().detach()
     if entropy_coef > 0:
         assert entropy_M is not None, "entropy_coef > 0 needs per-token entropy"
-        loss = loss - entropy_coef * (entropy_M * mask_M).sum() / normalizer
+        loss = loss - entropy_coef * (entropy_M * scale_M).sum()
         metrics["entropy_sum"] = (entropy_M * mask_M).sum().detach()
     return loss, metrics

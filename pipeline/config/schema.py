@@ -169,27 +169,70 @@ class TrainConfig:
             raise ConfigError(f"train.clip_grad must be >= 0 (got {self.clip_grad})")
 
 
+ESTIMATORS = ("grpo", "gspo", "dr_grpo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+TOKEN_LEVEL_ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
 @dataclass
 class AlgoConfig:
-    advantage_estimator: Literal["grpo"] = "grpo"
-    """How rewards become advantages (Miles: --advantage-estimator)."""
+    advantage_estimator: Literal["grpo", "gspo", "dr_grpo", "ppo", "reinforce_plus_plus",
+                                 "reinforce_plus_plus_baseline"] = "grpo"
+    """How rewards become advantages (Miles: --advantage-estimator). gspo also switches the policy
+    ratio to GSPO's sequence-level ratio; dr_grpo drops the std normalisation; ppo trains a critic."""
     eps_clip: float = 0.2
-    """PPO clip range below 1 (Miles: --eps-clip)."""
+    """PPO clip range below 1 (Miles: --eps-clip). GSPO uses ~3e-4."""
     eps_clip_high: float | None = None
     """PPO clip range above 1; null uses eps_clip (Miles: --eps-clip-high, 'clip-higher')."""
+    eps_clip_c: float | None = None
+    """Dual clipping: for negative advantages the loss is at most -A * eps_clip_c (> 1) (Miles: --eps-clip-c)."""
+    loss_reduction: Literal["token_mean", "sample_mean", "seq_mean_token_sum"] = "token_mean"
+    """token_mean: every token of the global batch weighs the same; sample_mean: every sample;
+    seq_mean_token_sum: token sums over a constant (Dr. GRPO)."""
     kl_loss_coef: float = 0.0
-    """Weight of the KL loss against the initial (reference) policy; 0 disables it and the reference model (Miles: --kl-loss-coef)."""
+    """Weight of the KL loss against the initial (reference) policy; 0 disables it (Miles: --kl-loss-coef)."""
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """KL estimator (Miles: --kl-loss-type)."""
+    """KL estimator of the KL loss (Miles: --kl-loss-type)."""
+    kl_coef: float = 0.0
+    """KL penalty folded into per-token rewards (reinforce_plus_plus*, ppo) (Miles: --kl-coef)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (Miles: --entropy-coef)."""
     grpo_std_normalization: bool = True
-    """Divide group-centred rewards by the group std (false gives Dr. GRPO's advantage)."""
+    """Divide group-centred rewards by the group std (dr_grpo turns it off)."""
+    gamma: float = 1.0
+    """Discount of per-token returns (reinforce_plus_plus*, ppo) (Miles: --gamma)."""
+    lambd: float = 1.0
+    """GAE lambda (ppo) (Miles: --lambd)."""
+    off_policy_correction: Literal["none", "tis", "icepop"] = "none"
+    """Correct for engine/trainer logprob mismatch: tis weights tokens by min(pi_train/pi_rollout, tis_clip);
+    icepop drops tokens whose ratio leaves [icepop_low, icepop_high] (Miles: --use-tis)."""
+    tis_clip: float = 2.0
+    """Cap of the TIS weight (Miles: --tis-clip)."""
+    icepop_low: float = 0.5
+    """Lower bound of the kept ratio band (icepop)."""
+    icepop_high: float = 2.0
+    """Upper bound of the kept ratio band (icepop)."""
+    critic_lr: float = 1e-3
+    """Critic learning rate (ppo)."""
+    eps_clip_value: float = 0.2
+    """Value-loss clip range (ppo) (Miles: --value-clip)."""
+    value_loss_coef: float = 0.5
+    """Weight of the value loss (ppo)."""
 
     def __post_init__(self):
-        _positive("algo", eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high)
-        if self.kl_loss_coef < 0:
-            raise ConfigError(f"algo.kl_loss_coef must be >= 0 (got {self.kl_loss_coef})")
+        _positive("algo", eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, tis_clip=self.tis_clip,
+                  critic_lr=self.critic_lr)
+        if self.kl_loss_coef < 0 or self.kl_coef < 0:
+            raise ConfigError("algo.kl_loss_coef and algo.kl_coef must be >= 0")
+        if self.eps_clip_c is not None and self.eps_clip_c <= 1:
+            raise ConfigError(f"algo.eps_clip_c must be > 1 (got {self.eps_clip_c}): it caps -A * ratio at -A * eps_clip_c")
+        if not 0 < self.gamma <= 1 or not 0 <= self.lambd <= 1:
+            raise ConfigError("algo.gamma must be in (0, 1] and algo.lambd in [0, 1]")
+        if not 0 < self.icepop_low < 1 < self.icepop_high:
+            raise ConfigError("algo.icepop_low must be in (0, 1) and algo.icepop_high > 1")
+
+    @property
+    def token_level(self) -> bool:
+        return self.advantage_estimator in TOKEN_LEVEL_ESTIMATORS
 
 
 @dataclass

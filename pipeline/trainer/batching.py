@@ -63,13 +63,14 @@ class MicroBatch:
     num_samples: int
     trace_NLk: torch.Tensor | None = None  # engine's experts per stream token (-1: none, route live)
     weight: float = 1.0  # 0 for padding micro-batches that only keep ranks' collectives paired
+    len_of_sample: torch.Tensor | None = None  # counted response tokens of each local sample
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids_N.numel())
 
 
-def build_micro_batch(batch: RolloutBatch, idx: list[int], adv_S: np.ndarray, device,
+def build_micro_batch(batch: RolloutBatch, idx: list[int], adv_R: np.ndarray, device,
                       with_routing: bool = False, weight: float = 1.0) -> MicroBatch:
     seqs = [batch.sequence(i) for i in idx]
     lengths = [len(s) for s in seqs]
@@ -83,7 +84,7 @@ def build_micro_batch(batch: RolloutBatch, idx: list[int], adv_S: np.ndarray, de
         targets.append(seqs[j][p:])
         rollout_lp.append(batch.logprobs[rs])
         mask.append(batch.loss_mask[rs])
-        adv.append(np.full(r, adv_S[i], dtype=np.float32))
+        adv.append(adv_R[rs].astype(np.float32))
         sample_of.append(np.full(r, j, dtype=np.int64))
     cat = lambda xs, dt: torch.from_numpy(np.concatenate(xs).astype(dt)).to(device)  # noqa: E731
     trace = None
@@ -107,4 +108,5 @@ def build_micro_batch(batch: RolloutBatch, idx: list[int], adv_S: np.ndarray, de
         num_samples=len(idx),
         trace_NLk=trace,
         weight=weight,
+        len_of_sample=torch.tensor([float(batch.loss_mask[batch.response_slice(i)].sum()) for i in idx], device=device),
     )

@@ -62,11 +62,33 @@ class FSDPBackend:
         total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, t.lr_warmup_steps, total, t.lr_decay_style, t.min_lr / t.lr))
+        self.critic = self.critic_optimizer = None
+        if cfg.algo.advantage_estimator == "ppo":
+            self.critic, self.critic_optimizer = self.build_critic(model_dir)
         self.ref_model = None
-        if cfg.algo.kl_loss_coef > 0:
+        if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
             _, ref = load_model(model_dir, dtype=torch.float32, device=device)
             ref.requires_grad_(False)
             self.ref_model = shard(ref, self.mesh, self.compute_dtype)
+
+    def build_critic(self, model_dir: str):
+        """PPO's critic: the policy's backbone (initialised from the same checkpoint) with a scalar
+        value head, zero-initialised, in place of the LM head. It is trained, never exported."""
+        from pipeline.models.qwen3 import Linear
+
+        _, critic = load_model(model_dir, dtype=torch.float32, device=self.device)
+        critic.lm_head = Linear(self.args.hidden_size, 1, bias=True).to(self.device)
+        torch.nn.init.zeros_(critic.lm_head.weight)
+        torch.nn.init.zeros_(critic.lm_head.bias)
+        critic = shard(critic, self.mesh, self.compute_dtype)
+        t = self.cfg.train
+        opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr, betas=(t.adam_beta1, t.adam_beta2),
+                                eps=t.adam_eps)
+        return critic, opt
+
+    def values(self, mb: MicroBatch) -> torch.Tensor:
+        """V(s_t) [M] at every scored position (the state before each response token)."""
+        return self.critic(mb.input_ids_N, mb.positions_N, mb.attn, None, logits_at_M=mb.score_pos_M)[:, 0].float()
 
     # ---- forward ---------------------------------------------------------------------------------
     def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False):
@@ -97,6 +119,14 @@ class FSDPBackend:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            cparams = [p for p in self.critic.parameters() if p.grad is not None]
+            if cparams:
+                cnorm = torch.nn.utils.clip_grad_norm_(cparams, clip if clip > 0 else float("inf"))
+                cnorm = float(cnorm.full_tensor() if isinstance(cnorm, DTensor) else cnorm)
+                if stepped and math.isfinite(cnorm):
+                    self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
     @property

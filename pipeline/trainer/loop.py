@@ -15,8 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.algo.advantages import grpo_advantages
-from pipeline.algo.losses import grpo_loss
+from pipeline.algo.losses import grpo_loss, off_policy_weights, reduction_scale, value_loss
 from pipeline.buffer.reader import BufferReader
 from pipeline.buffer.schema import RolloutBatch
 from pipeline.buffer.writer import remove_step
@@ -31,6 +30,7 @@ from pipeline.rollout.tito import verify_batch
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
 from pipeline.trainer.fsdp import FSDPBackend
+from pipeline.trainer.targets import Scores, take, token_advantages
 from pipeline.weights.broadcast import BroadcastSender
 
 log = logging.getLogger("lockstep.trainer")
@@ -128,32 +128,33 @@ class Trainer:
         return batch, commit
 
     def train_on(self, batch: RolloutBatch) -> dict:
+        """One rollout step of training: score, compute advantages, then one optimizer step per minibatch."""
         cfg, b = self.cfg, self.backend
-        adv_S = grpo_advantages(torch.from_numpy(batch.rewards), torch.from_numpy(batch.group_id),
-                                std_normalization=cfg.algo.grpo_std_normalization).numpy()
-        lengths = (batch.sample_offsets[1:] - batch.sample_offsets[:-1]).tolist()
-        order = np.arange(len(batch))
         sums: dict[str, float] = {}
         maxes = {"train/rollout_logprob_max_abs_diff": 0.0}
         grad_norms, skipped = [], 0
-        plans = [self.plan_micro_batches([lengths[i] for i in mini], mini)
-                 for mini in np.array_split(order, cfg.optimizer_steps_per_rollout)]
-        # Several updates per rollout: score every sample with the pre-update policy first (PPO's "old").
-        old = self.old_logprobs(batch, plans, adv_S, sums) if len(plans) > 1 else None
+        plans = self.plan_minibatches(batch)
+        scores = self.score_pass(batch, plans, sums) if self.needs_score_pass(len(plans)) else None
+        local = sorted({i for plan in plans for mb, w in plan if w for i in mb})
+        adv_R, returns_R = token_advantages(batch, local, scores, cfg.algo, self.global_moments)
         for plan in plans:
-            tokens = sum(w * float(batch.loss_mask[batch.response_slice(i)].sum()) for mb, w in plan for i in mb)
-            (global_tokens,) = all_reduce([tokens], self.device)
+            counts = self.global_counts(batch, plan)
             for mb_idx, weight in plan:
-                mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight,
-                                       with_routing=self.backend.args.is_moe)
-                old_M = None
-                if old is not None:
-                    old_M = torch.from_numpy(np.concatenate([old[batch.response_slice(i)] for i in mb_idx])).to(self.device)
-                self.train_micro_batch(mb, old_M, max(global_tokens, 1.0), sums, maxes)
+                mb = build_micro_batch(batch, mb_idx, adv_R, self.device, weight=weight,
+                                       with_routing=b.args.is_moe)
+                targets = {k: self.tensor(take(v, batch, mb_idx)) for k, v in (
+                    ("old", scores.old_logp_R if scores else None), ("ref", scores.ref_logp_R if scores else None),
+                    ("old_values", scores.values_R if scores else None), ("returns", returns_R))}
+                self.train_micro_batch(mb, targets, counts, sums, maxes)
             norm, stepped = b.optimizer_step()
             grad_norms.append(norm)
             skipped += not stepped
         return self.reduce_metrics(sums, maxes, grad_norms, skipped)
+
+    def plan_minibatches(self, batch: RolloutBatch) -> list[list[tuple[list[int], float]]]:
+        lengths = (batch.sample_offsets[1:] - batch.sample_offsets[:-1]).tolist()
+        return [self.plan_micro_batches([lengths[i] for i in mini], mini)
+                for mini in np.array_split(np.arange(len(batch)), self.cfg.optimizer_steps_per_rollout)]
 
     def plan_micro_batches(self, lengths: list[int], indices: np.ndarray) -> list[tuple[list[int], float]]:
         """This rank's micro-batches as (sample indices, weight). Ranks agree on the count: a rank with
@@ -164,41 +165,83 @@ class Trainer:
         (n,) = all_reduce([len(plan)], self.device, op=dist.ReduceOp.MAX)
         return plan + [([int(indices[0])], 0.0)] * (int(n) - len(plan))
 
+    def needs_score_pass(self, num_minibatches: int) -> bool:
+        """Scores before any update are needed for several updates per rollout (PPO's old logprobs),
+        for per-token KL rewards, and for a critic's values."""
+        a = self.cfg.algo
+        return num_minibatches > 1 or a.advantage_estimator == "ppo" or (a.token_level and a.kl_coef > 0)
+
+    def tensor(self, arr):
+        return None if arr is None else torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
+
+    def global_moments(self, *values: float) -> tuple[float, ...]:
+        return tuple(all_reduce(list(values), self.device))
+
+    def global_counts(self, batch: RolloutBatch, plan) -> dict:
+        tokens = sum(w * float(batch.loss_mask[batch.response_slice(i)].sum()) for mb, w in plan for i in mb)
+        samples = sum(w * len(mb) for mb, w in plan)
+        longest = max((int(batch.response_len[i]) for mb, w in plan if w for i in mb), default=0)
+        tokens, samples = all_reduce([tokens, samples], self.device)
+        (longest,) = all_reduce([longest], self.device, op=dist.ReduceOp.MAX)
+        return {"tokens": tokens, "samples": samples, "max_len": int(max(longest, self.cfg.rollout.rollout_max_response_len
+                                                                          if self.cfg.algo.loss_reduction == "seq_mean_token_sum" else longest))}
+
     @torch.no_grad()
-    def old_logprobs(self, batch: RolloutBatch, plans, adv_S, sums: dict) -> np.ndarray:
-        """Logprobs of every response token under the current (pre-update) policy, laid out like
-        batch.logprobs. Routing mismatch against the engine is measured here, before the policy moves."""
-        out = np.zeros_like(batch.logprobs)
+    def score_pass(self, batch: RolloutBatch, plans, sums: dict) -> Scores:
+        """Forward-only pass before any update: old logprobs (and reference logprobs, critic values) of
+        every response token, laid out like batch.logprobs. Routing mismatch against the engine is
+        measured here, before the policy moves."""
+        b, r3 = self.backend, self.cfg.determinism.routing_replay
+        old = np.zeros_like(batch.logprobs)
+        ref = np.zeros_like(batch.logprobs) if b.ref_model is not None else None
+        values = np.zeros_like(batch.logprobs) if b.critic is not None else None
+        zeros = np.zeros(len(batch.logprobs), dtype=np.float32)
         for plan in plans:
             for mb_idx, weight in plan:
-                mb = build_micro_batch(batch, mb_idx, adv_S, self.device, weight=weight,
-                                       with_routing=self.backend.args.is_moe)
-                logp, _, routing = self.backend.logprobs(mb, replay=self.cfg.determinism.routing_replay)
+                mb = build_micro_batch(batch, mb_idx, zeros, self.device, weight=weight, with_routing=b.args.is_moe)
+                logp, _, routing = b.logprobs(mb, replay=r3)
                 self.add_routing_counts(routing, weight, sums)
-                logp_M = logp.float().cpu().numpy()
-                if weight:
-                    out[np.concatenate([np.arange(batch.response_offsets[i], batch.response_offsets[i + 1])
-                                        for i in mb_idx])] = logp_M
-        return out
+                if not weight:
+                    continue
+                where = np.concatenate([np.arange(batch.response_offsets[i], batch.response_offsets[i + 1]) for i in mb_idx])
+                old[where] = logp.float().cpu().numpy()
+                if ref is not None:
+                    ref[where] = b.ref_logprobs(mb, replay=r3).float().cpu().numpy()
+                if values is not None:
+                    values[where] = b.values(mb).float().cpu().numpy()
+        return Scores(old, ref, values)
 
-    def train_micro_batch(self, mb: MicroBatch, old_M: torch.Tensor | None, normalizer: float, sums: dict,
-                          maxes: dict) -> None:
-        """Forward, loss, backward of one micro-batch. old_M: pre-update logprobs (None: this forward's)."""
-        cfg, b = self.cfg, self.backend
-        r3 = cfg.determinism.routing_replay
-        logp_M, ent_M, routing = b.logprobs(mb, replay=r3, want_entropy=cfg.algo.entropy_coef > 0)
+    def train_micro_batch(self, mb: MicroBatch, targets: dict, counts: dict, sums: dict, maxes: dict) -> None:
+        """Forward, loss, backward of one micro-batch (policy, and the critic under PPO)."""
+        cfg, b, a = self.cfg, self.backend, self.cfg.algo
+        logp_M, ent_M, routing = b.logprobs(mb, replay=cfg.determinism.routing_replay, want_entropy=a.entropy_coef > 0)
+        old_M = targets["old"]
         if old_M is None:  # one update per rollout: this forward is the pre-update one
             old_M = logp_M.detach()
             self.add_routing_counts(routing, mb.weight, sums)
-        ref_M = b.ref_logprobs(mb, replay=r3) if b.ref_model is not None else None
-        loss, m = grpo_loss(logp_M, old_M, mb.adv_M, mb.mask_M, eps_clip=cfg.algo.eps_clip,
-                            eps_clip_high=cfg.algo.eps_clip_high, normalizer=normalizer, ref_logp_M=ref_M,
-                            kl_coef=cfg.algo.kl_loss_coef, kl_type=cfg.algo.kl_loss_type, entropy_M=ent_M,
-                            entropy_coef=cfg.algo.entropy_coef)
-        (loss * self.world * mb.weight).backward()  # FSDP averages gradients over ranks; undo that
+        ref_M = targets["ref"]
+        if ref_M is None and b.ref_model is not None and a.kl_loss_coef > 0:
+            ref_M = b.ref_logprobs(mb, replay=cfg.determinism.routing_replay)
+        mask_M = mb.mask_M
+        is_w, is_metrics = None, {}
+        if a.off_policy_correction != "none":
+            is_w, mask_M, is_metrics = off_policy_weights(old_M, mb.rollout_logp_M, mb.mask_M, kind=a.off_policy_correction,
+                                                          cap=a.tis_clip, low=a.icepop_low, high=a.icepop_high)
+        scale_M = reduction_scale(mask_M, mb.sample_of_M, mb.len_of_sample, a.loss_reduction, counts["tokens"],
+                                  counts["samples"], counts["max_len"]) * mb.weight
+        loss, m = grpo_loss(logp_M, old_M, mb.adv_M, mask_M, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+                            scale_M=scale_M, ref_logp_M=ref_M, kl_coef=a.kl_loss_coef, kl_type=a.kl_loss_type,
+                            entropy_M=ent_M, entropy_coef=a.entropy_coef, eps_clip_c=a.eps_clip_c,
+                            ratio_type="sequence" if a.advantage_estimator == "gspo" else "token",
+                            sample_of_M=mb.sample_of_M, num_samples=mb.num_samples, is_weight_M=is_w)
+        if b.critic is not None:
+            v_loss, vm = value_loss(b.values(mb), targets["old_values"], targets["returns"], scale_M, a.eps_clip_value)
+            loss = loss + a.value_loss_coef * v_loss
+            m.update(vm)
+        (loss * self.world).backward()  # FSDP averages gradients over ranks; undo that
         diff_M = (old_M - mb.rollout_logp_M).abs() * mb.mask_M * mb.weight
-        m = {k: float(v) * mb.weight for k, v in m.items() if k.endswith("_sum")}
-        m.update(loss_sum=float(loss.detach()) * mb.weight, logprob_abs_diff_sum=float(diff_M.sum()),
+        m = {k: float(v) * mb.weight for k, v in {**m, **is_metrics}.items() if k.endswith("_sum")}
+        m.update(loss_sum=float(loss.detach()), logprob_abs_diff_sum=float(diff_M.sum()),
                  tokens_sum=float(mb.mask_M.sum()) * mb.weight, samples_sum=float(mb.num_samples) * mb.weight)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v
@@ -219,7 +262,7 @@ class Trainer:
         mx = dict(zip(maxes, all_reduce(list(maxes.values()), self.device, op=dist.ReduceOp.MAX)))
         n = max(totals.get("tokens_sum", 0.0), 1.0)
         out = {
-            "train/loss": totals["loss_sum"] / self.world / max(len(grad_norms), 1),
+            "train/loss": totals["loss_sum"] / max(len(grad_norms), 1),  # ranks' shares add up to the objective
             "train/pg_loss": totals.get("pg_loss_sum", 0.0) / n,
             "train/clipfrac": totals.get("clipfrac_sum", 0.0) / n,
             "train/approx_kl": totals.get("approx_kl_sum", 0.0) / n,
@@ -233,8 +276,14 @@ class Trainer:
             live = totals["routing_live_mismatch_sum"] / totals["routing_compared_sum"]
             out["train/routing_live_mismatch_frac"] = live  # trainer's own routing vs the engine's
             out["train/routing_mismatch_frac"] = 0.0 if self.cfg.determinism.routing_replay else live  # as trained
-        if "kl_loss_sum" in totals:
-            out["train/kl_loss"] = totals["kl_loss_sum"] / n
+        for key in ("kl_loss", "dual_clipfrac", "value_loss"):
+            if f"{key}_sum" in totals:
+                out[f"train/{key}"] = totals[f"{key}_sum"] / n
+        if "is_weight_sum" in totals:
+            w, w2 = totals["is_weight_sum"], totals["is_weight_sq_sum"]
+            out["train/is_ess"] = w * w / max(n * w2, 1e-12)  # effective sample size fraction
+            out["train/is_masked_frac"] = totals["is_masked_sum"] / n
+            out["train/is_truncated_frac"] = totals["is_truncated_sum"] / n
         if "entropy_sum" in totals:
             out["train/entropy"] = totals["entropy_sum"] / n
         out.update(mx)

@@ -12,7 +12,8 @@ Columns (S samples, T = total tokens, R = total response tokens, L MoE layers, k
   sample_idx      int32  [S]    index within the group
   prompt_idx      int64  [S]    row of the prompt in the dataset
   weight_version  int64  [S]    policy version that generated the sample
-  status          uint8  [S]    0 completed, 1 truncated, 2 aborted, 3 failed
+  status          uint8  [S]    0 completed, 1 truncated, 2 aborted (partial, continued later),
+                                3 failed (reward function raised), 4 deferred (finished, group aborted)
   metadata        str    [S]    JSON per sample
   routed_experts  uint8/uint16 [T-S, L, k]  (MoE only) experts of every token but each sample's last
 File attributes: schema_version, model_id, step, producer, created, num_moe_layers, top_k, num_experts.
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCHEMA_VERSION = 1
-STATUS = {"completed": 0, "truncated": 1, "aborted": 2, "failed": 3}
+STATUS = {"completed": 0, "truncated": 1, "aborted": 2, "failed": 3, "deferred": 4}
+TRAINABLE = (0, 1)  # completed and truncated samples are trained on; aborted/deferred wait for their group
 STATUS_NAMES = {v: k for k, v in STATUS.items()}
 
 REQUIRED_COLUMNS = (

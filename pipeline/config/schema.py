@@ -78,6 +78,27 @@ class RolloutConfig:
     """An engine request that takes longer than this fails and is retried on another engine."""
     max_retries: int = 3
     """Attempts per request before the step fails."""
+    over_sampling_batch_size: int | None = None
+    """Groups kept in flight per step (>= rollout_batch_size); the surplus is aborted once
+    rollout_batch_size groups passed the filter (Miles: --over-sampling-batch-size). null: no surplus."""
+    dynamic_sampling_filter: str | None = None
+    """Keep a finished group only if this says so: nonzero_std, or module:function (Miles:
+    --dynamic-sampling-filter-path). Filtered groups are replaced by new prompts."""
+    max_draws_per_step: int = 8
+    """Stop drawing new prompts for a step after this many times rollout_batch_size (a filter that
+    rejects everything must not spin forever); the step then commits what it has."""
+    partial_rollout: bool = False
+    """Aborted groups are kept and continued next step from their tokens instead of being dropped
+    (Miles: --partial-rollout)."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """Tokens a continued sample got from an older weight version do not count in the loss (Miles:
+    --mask-offpolicy-in-partial-rollout)."""
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    """sync: step k is generated with weights k; one_step_off: step k+1 is generated while step k
+    trains; fully_async: generation runs up to max_weight_staleness versions ahead and weight updates
+    land in the middle of generation (engines pause, swap, continue)."""
+    max_weight_staleness: int = 2
+    """fully_async: how many versions rollouts may run ahead; older samples are dropped by the trainer."""
     tito_checks: bool = True
     """Report rollout/tito_* (re-tokenisation drift, alternate EOS, special tokens in responses)."""
 
@@ -92,6 +113,11 @@ class RolloutConfig:
         )
         if not 0.0 < self.rollout_top_p <= 1.0:
             raise ConfigError(f"rollout.rollout_top_p must be in (0, 1] (got {self.rollout_top_p})")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            raise ConfigError(f"rollout.over_sampling_batch_size ({self.over_sampling_batch_size}) must be >="
+                              f" rollout_batch_size ({self.rollout_batch_size})")
+        if self.max_weight_staleness < 1:
+            raise ConfigError("rollout.max_weight_staleness must be >= 1")
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ConfigError(f"rollout.rollout_top_k must be -1 (off) or >= 1 (got {self.rollout_top_k})")
 
@@ -410,6 +436,12 @@ class RunConfig:
                 f"train.max_tokens_per_gpu ({t.max_tokens_per_gpu}) < data.max_prompt_len +"
                 f" rollout.rollout_max_response_len ({longest}): raise it or shorten prompts/responses"
             )
+
+    @property
+    def staleness(self) -> int:
+        """How many weight versions behind the trainer a rollout step may be generated."""
+        r = self.rollout
+        return {"sync": 0, "one_step_off": 1, "fully_async": r.max_weight_staleness}[r.mode]
 
     @property
     def samples_per_step(self) -> int:

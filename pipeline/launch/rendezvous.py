@@ -3,7 +3,8 @@
   run_dir/rendezvous/engine_<i>.json   {url, host, port, pid}     written by each engine when serving
   run_dir/rendezvous/trainer.json      {master_addr, master_port} written by the launcher / trainer rank 0
   run_dir/rendezvous/weights.json      {master_address, master_port, world_size, backend} weight group
-  run_dir/control/step_<k>.json        {step, weight_version}     trainer asks for rollout step k
+  run_dir/control/version.json         {weight_version}           the engines hold this version; rollout
+                                                                  step k may start once it is >= k - staleness
   run_dir/control/STOP                 the run is over; rollout side exits
 Every file is written atomically (utils.fs), so a reader sees all of it or nothing.
 """
@@ -51,12 +52,31 @@ def engine_urls(run_dir: str, num_engines: int, timeout_s: float = 600.0,
     return [wait_for(engine_file(run_dir, i), timeout_s, alive)["url"] for i in range(num_engines)]
 
 
-def step_request_file(run_dir: str, step: int) -> str:
-    return os.path.join(control_dir(run_dir), f"step_{step:06d}.json")
+def version_file(run_dir: str) -> str:
+    return os.path.join(control_dir(run_dir), "version.json")
 
 
-def request_step(run_dir: str, step: int, weight_version: int) -> None:
-    publish(step_request_file(run_dir, step), {"step": step, "weight_version": weight_version})
+def publish_version(run_dir: str, version: int) -> None:
+    """Trainer rank 0, after every weight sync: the engines now serve `version`."""
+    publish(version_file(run_dir), {"weight_version": version})
+
+
+def wait_version(run_dir: str, at_least: int, poll_s: float = 0.02) -> int | None:
+    """Block until the published weight version is >= at_least (returns it) or the run stops (None)."""
+    path = version_file(run_dir)
+    while True:
+        if os.path.exists(path):
+            v = int(read_json(path)["weight_version"])
+            if v >= at_least:
+                return v
+        if stop_requested(run_dir):
+            return None
+        time.sleep(poll_s)
+
+
+def current_version(run_dir: str) -> int:
+    path = version_file(run_dir)
+    return int(read_json(path)["weight_version"]) if os.path.exists(path) else 0
 
 
 def stop_file(run_dir: str) -> str:
@@ -69,20 +89,6 @@ def request_stop(run_dir: str, reason: str = "done") -> None:
 
 def stop_requested(run_dir: str) -> bool:
     return os.path.exists(stop_file(run_dir))
-
-
-def wait_step_request(run_dir: str, min_step: int, poll_s: float = 0.02) -> dict | None:
-    """Block until some step >= min_step is requested; return the lowest such request, or None once
-    the run stops. (A resumed trainer starts by asking for its checkpoint's step, not for step 0.)"""
-    d = control_dir(run_dir)
-    while True:
-        steps = [int(n[5:11]) for n in os.listdir(d) if n.startswith("step_") and n.endswith(".json")]
-        pending = sorted(s for s in steps if s >= min_step)
-        if pending:
-            return read_json(step_request_file(run_dir, pending[0]))
-        if stop_requested(run_dir):
-            return None
-        time.sleep(poll_s)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -152,6 +152,14 @@ class EnginePool:
         self.failures: dict[str, int] = {}
         self.retries = 0
 
+    def abort_all(self) -> None:
+        """Abort every in-flight request on every engine (the surplus of an over-sampled step)."""
+        for c in self.clients:
+            try:
+                c.abort_all()
+            except EngineError:
+                pass  # an engine that is gone has nothing in flight
+
     def _pick(self, exclude: set[str], n: int) -> EngineClient:
         with self.lock:
             candidates = [c for c in self.clients if c.url not in exclude] or self.clients

@@ -41,6 +41,7 @@ class PromptDataset:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seed: int):
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.prompts, self.stats = self._load()
+        self._orders: dict[int, np.ndarray] = {}
         if not self.prompts:
             raise UserError(f"{cfg.prompt_data}: no usable rows ({self.stats.skipped or 'file is empty'})")
 
@@ -105,6 +106,13 @@ class PromptDataset:
         if not self.cfg.rollout_shuffle:
             return np.arange(n)
         return np.random.default_rng(self.seed + epoch).permutation(n)
+
+    def prompt_at(self, draw: int) -> Prompt:
+        """The prompt at position `draw` of the endless, epoch-shuffled stream (a pure function)."""
+        epoch, i = divmod(draw, len(self.prompts))
+        if epoch not in self._orders:
+            self._orders = {epoch: self.epoch_order(epoch)}
+        return self.prompts[int(self._orders[epoch][i])]
 
     def batch(self, step: int, batch_size: int) -> list[Prompt]:
         """Prompts of rollout step `step` (a pure function of seed and step)."""

@@ -1,8 +1,13 @@
 """The rollout manager: prompts -> engines (/generate, token ids in and out) -> rewards -> HDF5 shard.
 
-Runs as its own process (on the first rollout node under Slurm). For each step the trainer requests
-it draws the step's prompts, sends each prompt's group of n samples to the least-loaded engine (a
-failed request is retried on another), scores rewards, and commits run_dir/buffer/step_K/.
+Runs as its own process (on the first rollout node under Slurm). Rollout step k may start once the
+trainer has published weight version >= k - staleness (sync: 0, one_step_off: 1, fully_async: N).
+Per step it keeps `over_sampling_batch_size` groups (one prompt, n samples) in flight on the
+least-loaded engines; as a group finishes it is scored (off the critical path, in the group's thread)
+and filtered; once rollout_batch_size groups are kept the surplus is aborted. Aborted groups are
+written into the step's shard as `aborted` (partial) / `deferred` (finished) samples and, with
+partial_rollout, continued next step from their tokens. Everything the next step needs (the prompt
+cursor, the unfinished groups) is in the committed shard, so a restart loses nothing.
 """
 
 from __future__ import annotations
@@ -10,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 
 from pipeline.buffer.reader import BufferReader
-from pipeline.buffer.schema import RolloutBatch, Sample
+from pipeline.buffer.schema import STATUS_NAMES, RolloutBatch, Sample
 from pipeline.buffer.writer import ShardWriter, WriteOptions, clean_uncommitted
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
@@ -23,6 +29,7 @@ from pipeline.models.hf_io import read_model_args
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rollout.client import EnginePool, Generation
 from pipeline.rollout.data import Prompt, PromptDataset
+from pipeline.rollout.filters import resolve_filter
 from pipeline.rollout.rewards import resolve_reward, score
 from pipeline.rollout.tito import check_sample, token_hash
 
@@ -31,10 +38,38 @@ log = logging.getLogger("lockstep.rollout")
 FINISH_TO_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
 
 
+def defer(s: Sample) -> Sample:
+    """A finished sample of a group that waits for the next step (its status is kept in metadata)."""
+    if s.status in ("aborted", "deferred"):
+        return s
+    return replace(s, status="deferred", metadata=dict(s.metadata, final_status=s.status))
+
+
+def undefer(s: Sample) -> Sample:
+    if s.status != "deferred":
+        return s
+    meta = dict(s.metadata)
+    return replace(s, status=meta.pop("final_status", "completed"), metadata=meta)
+
+
 def sampling_seed(rollout_seed: int, step: int, group: int, sample: int) -> int:
     """A per-sample seed that depends only on (seed, step, group, sample): reproducible and batch-free."""
     x = (rollout_seed * 1_000_003 + step) * 1_000_033 + group
     return (x * 1_009 + sample) % (1 << 62)
+
+
+@dataclass
+class Group:
+    """One prompt's n samples, as far as they got. `draw` is the prompt's position in the data stream."""
+
+    group_id: int
+    draw: int
+    prompt: Prompt
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.samples) and all(s is not None and s.status != "aborted" for s in self.samples)
 
 
 class RolloutManager:
@@ -46,85 +81,208 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(model_dir)
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed)
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
+        self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
         urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines)
         self.pool = EnginePool(urls, timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
                                api_key=os.environ.get("LOCKSTEP_API_KEY"))
         self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
                                   opts=WriteOptions.from_config(cfg.buffer))
+        self.reader = BufferReader(self.layout.buffer)
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout")
         self.record_routing = self.args.is_moe and (cfg.determinism.routing_replay or cfg.determinism.record_routing)
+        self.next_draw = producer_rank  # producer r draws r, r + P, r + 2P, ...
+        self.pending: list[Group] = []
 
+    # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
-        removed = clean_uncommitted(self.layout.buffer) if self.rank == 0 else []
-        if removed:
-            log.info("removed %d uncommitted leftovers from an earlier run", len(removed))
-        step = 0
-        while True:
-            request = rdzv.wait_step_request(self.layout.root, step)
-            if request is None:
+        if self.rank == 0:
+            removed = clean_uncommitted(self.layout.buffer)
+            if removed:
+                log.info("removed %d uncommitted leftovers from an earlier run", len(removed))
+        step = self.restore()
+        while step < self.cfg.num_rollout:
+            version = rdzv.wait_version(self.layout.root, step - self.cfg.staleness)
+            if version is None:
                 log.info("stop requested; rollout manager exits")
                 return
-            step = int(request["step"])
-            if BufferReader(self.layout.buffer).is_committed(step):
-                # Generated before a restart by the same weights version (training is deterministic).
-                log.info("step %d already committed; reusing it", step)
-            else:
-                self.run_step(step, int(request["weight_version"]))
+            self.run_step(step, version)
             step += 1
+        log.info("all %d rollout steps committed; rollout manager exits", self.cfg.num_rollout)
 
+    def restore(self) -> int:
+        """Continue after the last committed step: its commit record holds the prompt cursor, its shard
+        the unfinished groups."""
+        steps = self.reader.committed_steps()
+        if not steps:
+            return 0
+        last = steps[-1]
+        state = self.reader.commit(last).get("rollout_state", {})
+        self.next_draw = int(state.get("next_draw", (last + 1) * self.cfg.rollout.rollout_batch_size))
+        batch = self.reader.read_step(last)
+        self.pending = self.groups_from(batch, pending_only=True)
+        log.info("resuming after committed step %d (next draw %d, %d unfinished groups)", last, self.next_draw,
+                 len(self.pending))
+        return last + 1
+
+    def groups_from(self, batch: RolloutBatch, pending_only: bool) -> list[Group]:
+        import json
+
+        groups: dict[int, Group] = {}
+        for i in range(len(batch)):
+            status = STATUS_NAMES[int(batch.status[i])]
+            if pending_only and status not in ("aborted", "deferred"):
+                continue
+            meta = json.loads(batch.metadata[i])
+            gid = int(batch.group_id[i])
+            prompt = self.dataset.prompts[int(batch.prompt_idx[i])]
+            g = groups.setdefault(gid, Group(gid, int(meta.get("draw", -1)), prompt))
+            p = int(batch.prompt_len[i])
+            g.samples.append(Sample(
+                group_id=gid, sample_idx=int(batch.sample_idx[i]), prompt_idx=int(batch.prompt_idx[i]),
+                prompt_ids=batch.sequence(i)[:p].tolist(), response_ids=batch.sequence(i)[p:].tolist(),
+                logprobs=batch.logprobs[batch.response_slice(i)].tolist(), reward=float(batch.rewards[i]),
+                weight_version=int(batch.weight_version[i]), status=status,
+                metadata=meta, loss_mask=batch.loss_mask[batch.response_slice(i)].tolist(),
+                routed_experts=batch.routing(i)))
+        return list(groups.values())
+
+    # ---- one step ------------------------------------------------------------------------------------
     def run_step(self, step: int, version: int) -> dict:
         t0 = time.monotonic()
-        cfg = self.cfg.rollout
-        prompts = self.dataset.batch(step, cfg.rollout_batch_size)[self.rank:: self.num_producers]
-        first_group = step * cfg.rollout_batch_size + self.rank
-        futures = [self.executor.submit(self.generate_group, step, first_group + j * self.num_producers, p, version)
-                   for j, p in enumerate(prompts)]
-        samples = [s for f in futures for s in f.result()]
-        batch = RolloutBatch.from_samples(samples, num_experts=self.args.num_experts)
-        elapsed = time.monotonic() - t0
-        summary = self.summarize(batch, samples, elapsed)
-        self.writer.write(step, batch, attrs={"weight_version_requested": version}, summary=summary)
-        if self.rank == 0:
-            self.writer.commit(step, extra={"rollout": summary})
-        log.info("step %d: %d samples, reward %.3f, %.2fs", step, len(batch), summary["rollout/reward_mean"], elapsed)
-        return summary
+        r = self.cfg.rollout
+        target = r.rollout_batch_size // self.num_producers
+        in_flight_max = (r.over_sampling_batch_size or r.rollout_batch_size) // self.num_producers
+        max_draws = r.max_draws_per_step * r.rollout_batch_size
+        queue = list(self.pending)
+        self.pending = []
+        kept: list[Group] = []
+        filtered_draws: list[int] = []
+        futures = {}
+        draws = 0
 
-    def generate_group(self, step: int, group: int, prompt: Prompt, version: int) -> list[Sample]:
+        def submit_next() -> bool:
+            nonlocal draws
+            if queue:
+                g = queue.pop(0)
+            elif draws < max_draws:
+                g = self.new_group(step)
+                draws += 1
+            else:
+                return False
+            futures[self.executor.submit(self.run_group, step, g, version)] = g
+            return True
+
+        while len(futures) < in_flight_max and submit_next():
+            pass
+        aborted = False
+        while futures:
+            done, _ = wait(list(futures), return_when=FIRST_COMPLETED)
+            for f in done:
+                g = futures.pop(f)
+                g = f.result()
+                if not g.finished or aborted or len(kept) >= target:
+                    # Aborted mid-generation, or finished after the step was full: the next step
+                    # takes it first. Its finished samples wait (deferred) with it.
+                    g.samples = [defer(s) for s in g.samples]
+                    self.pending.append(g)
+                elif self.keep(g.samples):
+                    g.samples = [undefer(s) for s in g.samples]
+                    kept.append(g)
+                else:
+                    filtered_draws.append(g.draw)
+                    submit_next()  # replace the filtered group with a new prompt
+                if not aborted and len(kept) >= target:
+                    aborted = True
+                    if futures:
+                        self.pool.abort_all()  # the surplus comes back partial
+        if not r.partial_rollout:
+            dropped = [g.draw for g in self.pending]
+            self.pending = []
+        else:
+            dropped = []
+        kept.sort(key=lambda g: g.draw)  # completion order varies; the shard's order must not
+        self.pending.sort(key=lambda g: g.draw)
+        return self.commit(step, version, kept, filtered_draws, dropped, time.monotonic() - t0)
+
+    def new_group(self, step: int) -> Group:
+        draw = self.next_draw
+        self.next_draw += self.num_producers
+        # The draw index is unique across producers and steps: it is the group id.
+        return Group(group_id=draw, draw=draw, prompt=self.dataset.prompt_at(draw))
+
+    def run_group(self, step: int, g: Group, version: int) -> Group:
+        """Generate (or continue) the group's samples and score the finished ones."""
         cfg = self.cfg.rollout
         n = cfg.n_samples_per_prompt
-        params = [{
-            "max_new_tokens": cfg.rollout_max_response_len,
-            "temperature": cfg.rollout_temperature,
-            "top_p": cfg.rollout_top_p,
-            "top_k": cfg.rollout_top_k,
-            "sampling_seed": sampling_seed(cfg.rollout_seed, step, group, i),
-            "no_stop_trim": True,
-            "skip_special_tokens": False,
-        } for i in range(n)]
+        if not g.samples:
+            g.samples = [None] * n
+        todo = [i for i in range(n) if g.samples[i] is None or g.samples[i].status == "aborted"]
+        inputs, params = [], []
+        for i in todo:
+            prior = g.samples[i]
+            done_len = len(prior.response_ids) if prior else 0
+            inputs.append(list(g.prompt.input_ids) + (list(prior.response_ids) if prior else []))
+            params.append({"max_new_tokens": cfg.rollout_max_response_len - done_len,
+                           "temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p,
+                           "top_k": cfg.rollout_top_k, "sampling_seed": sampling_seed(cfg.rollout_seed, step, g.group_id, i),
+                           "no_stop_trim": True, "skip_special_tokens": False})
         moe_shape = (len(self.args.moe_layers), self.args.num_experts_per_tok) if self.record_routing else None
-        gens = self.pool.generate([prompt.input_ids] * n, params, return_logprob=True,
-                                  return_routed_experts=self.record_routing, moe_shape=moe_shape,
-                                  rid=[f"s{step}-g{group}-{i}" for i in range(n)])
-        return [self.to_sample(group, i, prompt, g) for i, g in enumerate(gens)]
+        gens = self.pool.generate(inputs, params, return_logprob=True, return_routed_experts=self.record_routing,
+                                  moe_shape=moe_shape, rid=[f"s{step}-g{g.group_id}-{i}" for i in todo]) if todo else []
+        for i, gen in zip(todo, gens):
+            g.samples[i] = self.to_sample(g, i, gen, g.samples[i])
+        return g
 
-    def to_sample(self, group: int, i: int, prompt: Prompt, gen: Generation) -> Sample:
-        # The reward sees text; training sees gen.output_ids exactly as generated (TITO).
-        text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        reward, comps, error = score(self.reward_fn, text, prompt.label, prompt.metadata)
-        status = "failed" if error else FINISH_TO_STATUS.get(gen.finish_reason, "completed")
-        meta = dict(prompt.metadata)
-        meta["token_hash"] = token_hash(list(prompt.input_ids) + list(gen.output_ids))
-        if self.cfg.rollout.tito_checks:
-            report = check_sample(prompt.input_ids, gen.output_ids, self.tokenizer, [self.tokenizer.eos_token_id],
-                                  prompt.text)
-            if report.issues:
-                meta["tito"] = report.issues
-        if error:
-            meta["reward_error"] = error
-        return Sample(group_id=group, sample_idx=i, prompt_idx=prompt.index, prompt_ids=prompt.input_ids,
-                      response_ids=gen.output_ids, logprobs=gen.logprobs, reward=reward, reward_components=comps,
-                      weight_version=int(gen.weight_version or 0), status=status, metadata=meta,
+    def to_sample(self, g: Group, i: int, gen: Generation, prior: Sample | None) -> Sample:
+        cfg = self.cfg.rollout
+        response = (list(prior.response_ids) if prior else []) + list(gen.output_ids)
+        logprobs = (list(prior.logprobs) if prior else []) + list(gen.logprobs)
+        version = int(gen.weight_version or 0)
+        mask = [1] * len(response)
+        if prior is not None:
+            old_mask = list(prior.loss_mask)
+            if cfg.mask_offpolicy_in_partial_rollout and prior.weight_version < version:
+                old_mask = [0] * len(old_mask)  # generated by an older policy
+            mask = old_mask + [1] * len(gen.output_ids)
+            version = min(version, prior.weight_version)
+        status = FINISH_TO_STATUS.get(gen.finish_reason, "completed")
+        meta = dict(g.prompt.metadata, draw=g.draw)
+        meta["token_hash"] = token_hash(list(g.prompt.input_ids) + response)
+        reward, comps = 0.0, {}
+        if status != "aborted":
+            # The reward sees text; training sees the token ids exactly as generated (TITO).
+            text = self.tokenizer.decode(response, skip_special_tokens=True)
+            reward, comps, error = score(self.reward_fn, text, g.prompt.label, g.prompt.metadata)
+            if error:
+                status, meta["reward_error"] = "failed", error
+            if cfg.tito_checks:
+                report = check_sample(g.prompt.input_ids, response, self.tokenizer, [self.tokenizer.eos_token_id],
+                                      g.prompt.text)
+                if report.issues:
+                    meta["tito"] = report.issues
+        return Sample(group_id=g.group_id, sample_idx=i, prompt_idx=g.prompt.index, prompt_ids=list(g.prompt.input_ids),
+                      response_ids=response, logprobs=logprobs, reward=reward, reward_components=comps,
+                      weight_version=version, status=status, metadata=meta, loss_mask=mask,
                       routed_experts=gen.routed_experts)
+
+    # ---- commit ----------------------------------------------------------------------------------------
+    def commit(self, step: int, version: int, kept: list[Group], filtered: list[int], dropped: list[int],
+               elapsed: float) -> dict:
+        trained = [s for g in kept for s in g.samples]
+        waiting = [s for g in self.pending for s in g.samples]
+        batch = RolloutBatch.from_samples(trained + waiting, num_experts=self.args.num_experts)
+        summary = self.summarize(RolloutBatch.from_samples(trained) if trained else batch, trained, elapsed)
+        summary.update({"rollout/groups_kept": len(kept), "rollout/groups_filtered": len(filtered),
+                        "rollout/groups_pending": len(self.pending), "rollout/groups_dropped": len(dropped),
+                        "rollout/weight_version": version})
+        self.writer.write(step, batch, attrs={"weight_version_at_start": version}, summary=summary)
+        if self.rank == 0:
+            state = {"next_draw": self.next_draw, "filtered_draws": filtered, "dropped_draws": dropped,
+                     "kept_draws": [g.draw for g in kept], "pending_draws": [g.draw for g in self.pending]}
+            self.writer.commit(step, extra={"rollout": summary, "rollout_state": state})
+        log.info("step %d (weights %d): %d groups kept, %d filtered, %d pending, reward %.3f, %.2fs", step, version,
+                 len(kept), len(filtered), len(self.pending), summary["rollout/reward_mean"], elapsed)
+        return summary
 
     @staticmethod
     def summarize(batch: RolloutBatch, samples: list[Sample], elapsed: float) -> dict:

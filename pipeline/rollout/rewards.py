@@ -49,15 +49,41 @@ REGISTRY: dict[str, RewardFn] = {
 }
 
 
+class RemoteReward:
+    """A reward model behind HTTP: POST {"response", "label", "metadata"} -> {"score": float, ...}.
+    Selected with rm_type "remote:http://host:port/path"; extra keys come back as named components."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0, api_key: str | None = None):
+        self.url, self.timeout_s, self.api_key = url, timeout_s, api_key
+
+    def __call__(self, response: str, label: Any, metadata: dict):
+        import json
+        import urllib.request
+
+        body = json.dumps({"response": response, "label": label, "metadata": metadata}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            out = json.loads(resp.read())
+        return out if isinstance(out, dict) else float(out)
+
+
 def resolve_reward(name: str) -> RewardFn:
     if name in REGISTRY:
         return REGISTRY[name]
+    if name.startswith("remote:"):
+        import os
+
+        return RemoteReward(name.removeprefix("remote:"), api_key=os.environ.get("LOCKSTEP_RM_API_KEY"))
     if ":" in name:
         module, _, attr = name.partition(":")
     elif "." in name:
         module, _, attr = name.rpartition(".")
     else:
-        raise UserError(f"rollout.rm_type {name!r}: not one of {sorted(REGISTRY)} and not a 'module:function' path")
+        raise UserError(f"rollout.rm_type {name!r}: not one of {sorted(REGISTRY)}, a 'module:function' path"
+                        " or 'remote:URL'")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:

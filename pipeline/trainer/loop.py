@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.algo.losses import grpo_loss, off_policy_weights, reduction_scale, value_loss
-from pipeline.buffer.reader import BufferReader
-from pipeline.buffer.schema import RolloutBatch
+from pipeline.buffer.reader import BufferReader, select_fresh
+from pipeline.buffer.schema import TRAINABLE, RolloutBatch
 from pipeline.buffer.writer import remove_step
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
@@ -69,6 +69,8 @@ class Trainer:
             self.connect_engines()
         if start > 0:
             self.sync_weights(version=start)  # engines loaded version 0 from disk
+        if self.rank == 0:
+            rdzv.publish_version(self.layout.root, start)
         for step in range(start, cfg.num_rollout):
             t0 = time.monotonic()
             batch, rollout_info = self.get_rollout(step, version=step)
@@ -76,6 +78,8 @@ class Trainer:
             train_metrics = self.train_on(batch)
             t2 = time.monotonic()
             sync = self.sync_weights(version=step + 1)
+            if self.rank == 0:
+                rdzv.publish_version(self.layout.root, step + 1)
             t3 = time.monotonic()
             perf = {"perf/step_time_s": t3 - t0, "perf/rollout_time_s": t1 - t0, "perf/train_time_s": t2 - t1,
                     "perf/weight_sync_time_s": t3 - t2}
@@ -120,11 +124,19 @@ class Trainer:
         self.sender.connect()
 
     def get_rollout(self, step: int, version: int) -> tuple[RolloutBatch, dict]:
-        if self.rank == 0:
-            rdzv.request_step(self.layout.root, step, version)
+        """Step `step`'s committed rollouts, reduced to what trains now: finished samples of kept groups,
+        not older than the staleness bound (fully async)."""
         commit = self.reader.wait_for_step(step, timeout_s=self.cfg.rollout.request_timeout_s * 50)
         batch = self.reader.read_step(step)
-        commit.setdefault("rollout", {})["train/tito_mismatch"] = verify_batch(batch)
+        info = commit.setdefault("rollout", {})
+        info["train/tito_mismatch"] = verify_batch(batch)
+        trainable = np.flatnonzero(np.isin(batch.status, TRAINABLE))
+        batch = batch.select(trainable) if len(trainable) < len(batch) else batch
+        if self.cfg.rollout.mode == "fully_async":
+            batch, stale = select_fresh(batch, version, self.cfg.staleness)
+            info["train/stale_samples_dropped"] = stale
+        if len(batch) == 0:
+            raise RuntimeError(f"rollout step {step} has no trainable samples (all filtered, aborted or stale)")
         return batch, commit
 
     def train_on(self, batch: RolloutBatch) -> dict:
@@ -298,7 +310,8 @@ class Trainer:
         dtype = getattr(torch, self.cfg.model.dtype)
         state = self.backend.full_state(dtype)
         if self.rank == 0:
-            return self.sender.send(state, version)
+            # Outside sync mode the engines are generating: pause them around the update.
+            return self.sender.send(state, version, pause=self.cfg.rollout.mode != "sync")
         for _ in state:
             pass
         return {}
@@ -311,6 +324,7 @@ class Trainer:
         if sync:
             record["weights/bytes"] = sync["bytes"]
             record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
+            record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)
 
     def should_save(self, done_steps: int) -> bool:

@@ -49,8 +49,24 @@ class BroadcastSender:
         for f in futures:
             f.result()
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, pause: bool = False) -> dict:
+        """Send every tensor; engines switch to `version` with the last bucket. pause: stop the engines'
+        scheduling first (requests stay in place and continue on the new weights), resume after."""
         assert self.pg is not None, "connect() first"
+        t0 = time.monotonic()
+        if pause:
+            for c in self.clients:
+                c.pause_generation()
+        try:
+            stats = self._send(named_tensors, version)
+        finally:
+            if pause:
+                for c in self.clients:
+                    c.continue_generation()
+        stats["pause_s"] = time.monotonic() - t0 if pause else 0.0
+        return stats
+
+    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
         t0 = time.monotonic()
         nbytes = 0
         nbuckets = 0

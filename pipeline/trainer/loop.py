@@ -168,11 +168,12 @@ class Trainer:
         return [self.plan_micro_batches([lengths[i] for i in mini], mini)
                 for mini in np.array_split(np.arange(len(batch)), self.cfg.optimizer_steps_per_rollout)]
 
-    def plan_micro_batches(self, lengths: list[int], indices: np.ndarray) -> list[tuple[list[int], float]]:
+    def plan_micro_batches(self, lengths: list[int], indices: np.ndarray, budget: int | None = None
+                           ) -> list[tuple[list[int], float]]:
         """This rank's micro-batches as (sample indices, weight). Ranks agree on the count: a rank with
         fewer runs extra weight-0 micro-batches, so FSDP's collectives pair up."""
         mine = balance_across_ranks(lengths, self.world)[self.rank]
-        bins = pack_micro_batches([lengths[i] for i in mine], self.cfg.train.max_tokens_per_gpu)
+        bins = pack_micro_batches([lengths[i] for i in mine], budget or self.cfg.train.max_tokens_per_gpu)
         plan = [([int(indices[mine[i]]) for i in bin_], 1.0) for bin_ in bins]
         (n,) = all_reduce([len(plan)], self.device, op=dist.ReduceOp.MAX)
         return plan + [([int(indices[0])], 0.0)] * (int(n) - len(plan))
@@ -204,6 +205,12 @@ class Trainer:
         every response token, laid out like batch.logprobs. Routing mismatch against the engine is
         measured here, before the policy moves."""
         b, r3 = self.backend, self.cfg.determinism.routing_replay
+        t = self.cfg.train
+        budget = t.max_tokens_per_gpu_forward or 2 * t.max_tokens_per_gpu
+        lengths = (batch.sample_offsets[1:] - batch.sample_offsets[:-1]).tolist()
+        # The same samples per rank as training (each rank scores what it trains), packed bigger.
+        plans = [self.plan_micro_batches([lengths[i] for i in mini], mini, budget)
+                 for mini in np.array_split(np.arange(len(batch)), self.cfg.optimizer_steps_per_rollout)]
         old = np.zeros_like(batch.logprobs)
         ref = np.zeros_like(batch.logprobs) if b.ref_model is not None else None
         values = np.zeros_like(batch.logprobs) if b.critic is not None else None
@@ -231,17 +238,18 @@ class Trainer:
         if old_M is None:  # one update per rollout: this forward is the pre-update one
             old_M = logp_M.detach()
             self.add_routing_counts(routing, mb.weight, sums)
+        behaviour_M = mb.rollout_logp_M if a.use_rollout_logprobs else old_M
         ref_M = targets["ref"]
         if ref_M is None and b.ref_model is not None and a.kl_loss_coef > 0:
             ref_M = b.ref_logprobs(mb, replay=cfg.determinism.routing_replay)
         mask_M = mb.mask_M
         is_w, is_metrics = None, {}
-        if a.off_policy_correction != "none":
-            is_w, mask_M, is_metrics = off_policy_weights(old_M, mb.rollout_logp_M, mb.mask_M, kind=a.off_policy_correction,
+        if cfg.off_policy_correction != "none":
+            is_w, mask_M, is_metrics = off_policy_weights(old_M, mb.rollout_logp_M, mb.mask_M, kind=cfg.off_policy_correction,
                                                           cap=a.tis_clip, low=a.icepop_low, high=a.icepop_high)
         scale_M = reduction_scale(mask_M, mb.sample_of_M, mb.len_of_sample, a.loss_reduction, counts["tokens"],
                                   counts["samples"], counts["max_len"]) * mb.weight
-        loss, m = grpo_loss(logp_M, old_M, mb.adv_M, mask_M, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+        loss, m = grpo_loss(logp_M, behaviour_M, mb.adv_M, mask_M, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
                             scale_M=scale_M, ref_logp_M=ref_M, kl_coef=a.kl_loss_coef, kl_type=a.kl_loss_type,
                             entropy_M=ent_M, entropy_coef=a.entropy_coef, eps_clip_c=a.eps_clip_c,
                             ratio_type="sequence" if a.advantage_estimator == "gspo" else "token",

@@ -84,7 +84,7 @@ def test_two_trainer_ranks_and_two_engines(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     from pipeline.buffer.reader import BufferReader
 
-    assert BufferReader(f"{tmp_path}/run/buffer").committed_steps() == []  # consumed steps were collected
+    assert BufferReader(f"{tmp_path}/run/buffer").committed_steps() == [5]  # consumed steps collected, newest kept
     records = read_metrics(f"{tmp_path}/run")
     assert len(records) == 6 and records[-1]["weights/version"] == 6
     assert records[0]["train/rollout_logprob_max_abs_diff"] < 1e-4

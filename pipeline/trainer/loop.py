@@ -84,8 +84,10 @@ class Trainer:
             perf = {"perf/step_time_s": t3 - t0, "perf/rollout_time_s": t1 - t0, "perf/train_time_s": t2 - t1,
                     "perf/weight_sync_time_s": t3 - t2}
             self.log_step(step, rollout_info, train_metrics, perf, sync)
-            if not cfg.buffer.keep_consumed and self.rank == 0:
-                remove_step(self.layout.buffer, step)
+            if not cfg.buffer.keep_consumed and self.rank == 0 and step > 0:
+                # The newest committed step holds the rollout side's state (prompt cursor, unfinished
+                # groups): collect the one before it.
+                remove_step(self.layout.buffer, step - 1)
             if self.should_save(step + 1):
                 self.save(step + 1)
             if step + 1 < cfg.num_rollout and self.preemption_requested():

@@ -90,6 +90,19 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   say "timed out waiting for $what"; return 1
 }
 
+start_mariadb() {
+  if [ ! -d "$STATE/db/mysql" ]; then
+    mariadb-install-db --user=root --datadir="$STATE/db" --auth-root-authentication-method=normal \
+      --skip-test-db >"$STATE/log/mariadb-install.log" 2>&1 || { say "mariadb-install-db failed"; return 1; }
+  fi
+  if ! [ -S "$STATE/mysql.sock" ]; then
+    (setsid mariadbd --no-defaults --user=root --datadir="$STATE/db" --socket="$STATE/mysql.sock" --port="$DB_PORT" \
+       --bind-address=127.0.0.1 --pid-file="$STATE/mariadb.pid" --log-error="$STATE/log/mariadb.log" \
+       --innodb-use-native-aio=0 --skip-name-resolve </dev/null >/dev/null 2>&1 &)
+  fi
+  wait_for 60 mariadb mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "select 1"
+}
+
 start() {
   install
   if [ -f "$CONF" ] && scontrol ping >/dev/null 2>&1 && [ "$(sinfo -h -t idle,alloc,mix -o %D 2>/dev/null)" = "$NODES" ]; then
@@ -103,17 +116,12 @@ start() {
     munged --force --pid-file="$STATE/munged.pid" --socket=/run/munge/munge.socket.2 >/dev/null 2>&1
   fi
   wait_for 10 munged munge -n
-  # MariaDB for accounting (bound to loopback, own data dir and port)
-  if [ ! -d "$STATE/db/mysql" ]; then
-    mariadb-install-db --user=root --datadir="$STATE/db" --auth-root-authentication-method=normal >/dev/null 2>&1
-  fi
-  if ! [ -S "$STATE/mysql.sock" ]; then
-    (setsid mariadbd --user=root --datadir="$STATE/db" --socket="$STATE/mysql.sock" --port="$DB_PORT" \
-       --bind-address=127.0.0.1 --pid-file="$STATE/mariadb.pid" --log-error="$STATE/log/mariadb.log" \
-       --skip-grant-tables=0 </dev/null >/dev/null 2>&1 &)
-  fi
-  wait_for 30 mariadb mariadb --socket="$STATE/mysql.sock" -uroot -e "select 1"
-  mariadb --socket="$STATE/mysql.sock" -uroot -e "create database if not exists slurm_acct_db"
+  # MariaDB for accounting (bound to loopback, own data dir and port). Native AIO (io_uring/libaio)
+  # is off: container seccomp profiles often refuse io_uring, and a test database does not need it.
+  start_mariadb || { stop_pidfile "$STATE/mariadb.pid"; rm -f "$STATE/mysql.sock"; start_mariadb; } || {
+    say "MariaDB did not start; its log:"; tail -n 40 "$STATE/log/mariadb.log" "$STATE/log/mariadb-install.log" >&2 2>/dev/null || true
+    return 1; }
+  mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "create database if not exists slurm_acct_db"
   slurmdbd  # reads slurmdbd.conf beside $SLURM_CONF
   wait_for 20 slurmdbd bash -c "exec 3<>/dev/tcp/127.0.0.1/$DBD_PORT"
   slurmctld -f "$CONF"

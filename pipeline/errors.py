@@ -4,6 +4,8 @@
 that line and exits with status 2, without a traceback. Everything else is a bug and propagates.
 """
 
+import re
+
 
 class UserError(ValueError):
     """Something the user can fix: bad config, missing file, impossible request."""
@@ -11,6 +13,30 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A config file or override is malformed, unknown, or inconsistent."""
+
+
+class StorageError(UserError):
+    """A file could not be written (disk full, read-only or unwritable run directory); nothing
+    half-written was kept."""
+
+
+def is_storage_failure(e: BaseException) -> bool:
+    """An OSError, or HDF5's RuntimeError for a failed file write (it carries the errno in its text)."""
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and "file write failed" in str(e))
+
+
+def storage_error(what: str, path: str, e: BaseException) -> StorageError:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    m = re.search(r"error message = '([^']+)'", reason)  # HDF5's wording of the OS error
+    reason = m.group(1) if m else reason
+    if "Traceback" in reason:  # torch DCP's CheckpointException: each rank's traceback as text
+        errors = re.findall(r"^\w*(?:Error|Exception): .*$", reason, flags=re.M)
+        reason = errors[-1] if errors else reason.splitlines()[0]
+    return StorageError(f"{what}: cannot write {path}: {reason} (free space or fix permissions, then resume)")
+
+
+class NonFiniteError(UserError):
+    """Training met a non-finite loss or gradient too many times in a row."""
 
 
 class ComponentFailed(RuntimeError):

@@ -50,13 +50,14 @@ def moe_dir(tmp_path_factory) -> str:
 class EngineProcess:
     """A built-in engine server in its own process (ended by PID)."""
 
-    def __init__(self, model_dir: str, ready_file: str, extra: list[str] | None = None):
+    def __init__(self, model_dir: str, ready_file: str, extra: list[str] | None = None, env: dict | None = None):
         self.ready_file = ready_file
         self.log = open(ready_file + ".log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.rollout.engine.server", "--model-path", model_dir, "--port", "0",
              "--context-length", "128", "--ready-file", ready_file, *(extra or [])],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+            env=dict(os.environ, **(env or {})))
         from pipeline.launch.rendezvous import wait_for
 
         def alive():
@@ -80,8 +81,8 @@ class EngineProcess:
 def engine_factory(tmp_path):
     started = []
 
-    def start(model_dir: str, extra: list[str] | None = None) -> EngineProcess:
-        e = EngineProcess(model_dir, str(tmp_path / f"engine_{len(started)}.json"), extra)
+    def start(model_dir: str, extra: list[str] | None = None, env: dict | None = None) -> EngineProcess:
+        e = EngineProcess(model_dir, str(tmp_path / f"engine_{len(started)}.json"), extra, env)
         started.append(e)
         return e
 

@@ -93,7 +93,7 @@ def test_two_trainer_ranks_and_two_engines(tmp_path):
 def test_failed_component_ends_the_job_and_is_named(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
-                          "num_rollout=500", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
+                          "num_rollout=500", "engine.max_restarts=0", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 2, timeout=120)
     engine = json.load(open(run_dir / "rendezvous" / "engine_0.json"))

@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from pipeline.buffer.schema import SCHEMA_VERSION, RolloutBatch
+from pipeline.errors import is_storage_failure, storage_error
 from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json, tmp_name
 
 COMMIT_NAME = "COMMIT.json"
@@ -121,14 +122,17 @@ class ShardWriter:
                 os.close(fd)
             nbytes = os.path.getsize(tmp)
             os.replace(tmp, final)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            fsync_dir(d)
+            record = {"name": name, "bytes": nbytes, "hash": "xxh3_64", "checksums": sums, "num_samples": len(batch),
+                      "num_tokens": batch.num_tokens, "producer": self.producer, "summary": summary or {}}
+            atomic_write_json(os.path.join(d, name.replace(".h5", ".json")), record)
+        except BaseException as e:  # the part record is what makes a part count: without it, none is taken
+            for path in (tmp, final):
+                if os.path.exists(path):
+                    os.unlink(path)
+            if is_storage_failure(e):
+                raise storage_error(f"rollout shard of step {step}", final, e) from e
             raise
-        fsync_dir(d)
-        record = {"name": name, "bytes": nbytes, "hash": "xxh3_64", "checksums": sums, "num_samples": len(batch),
-                  "num_tokens": batch.num_tokens, "producer": self.producer, "summary": summary or {}}
-        atomic_write_json(os.path.join(d, name.replace(".h5", ".json")), record)
         return record
 
     def commit(self, step: int, timeout_s: float = 600.0, extra: dict | None = None) -> dict:

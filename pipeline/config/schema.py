@@ -77,7 +77,10 @@ class RolloutConfig:
     request_timeout_s: float = 120.0
     """An engine request that takes longer than this fails and is retried on another engine."""
     max_retries: int = 3
-    """Attempts per request before the step fails."""
+    """Attempts per request before the step fails (when retry_budget_s is 0)."""
+    retry_budget_s: float = 300.0
+    """Keep retrying a failed request (other engines, a restarted one) for this long before the step
+    fails; 0 uses max_retries instead."""
     over_sampling_batch_size: int | None = None
     """Groups kept in flight per step (>= rollout_batch_size); the surplus is aborted once
     rollout_batch_size groups passed the filter (Miles: --over-sampling-batch-size). null: no surplus."""
@@ -136,6 +139,9 @@ class LocalEngineConfig:
     """Where the engine runs; auto picks cuda when a GPU is visible."""
     num_threads: int = 1
     """torch intra-op threads of each engine process on CPU."""
+    max_restarts: int = 3
+    """A dead engine is restarted (and caught up to the current weights) up to this many times per
+    engine (local launcher); one more death stops the run, naming it."""
 
     def __post_init__(self):
         _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests)
@@ -185,6 +191,8 @@ class TrainConfig:
     """Activation checkpointing of every decoder layer (Miles: --recompute-granularity full)."""
     dist_timeout_s: float = 600.0
     """Timeout of trainer collectives before a hung peer is reported."""
+    max_consecutive_nonfinite: int = 3
+    """A NaN/inf loss or gradient skips that optimizer step; this many in a row stop the run (0: never)."""
 
     def __post_init__(self):
         _positive(
@@ -280,6 +288,9 @@ class BroadcastWeightsConfig:
     """Tensors are sent in buckets of about this size; one engine update request per bucket."""
     timeout_s: float = 300.0
     """A weight update that has not finished after this many seconds fails with an error (no hang)."""
+    keep_host_copy: bool = True
+    """Trainer rank 0 keeps the last weights it sent in host memory, to catch up a restarted engine
+    without a collective (costs one model's size of CPU memory on that node)."""
 
     def __post_init__(self):
         _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)

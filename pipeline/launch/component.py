@@ -74,6 +74,11 @@ def main(argv=None) -> None:
                         format=f"%(asctime)s {args.role} %(name)s %(levelname)s %(message)s")
     from pipeline.config import load_resolved
 
+    token_path = os.path.join(args.run_dir, ".token")
+    if os.path.exists(token_path) and "LOCKSTEP_API_KEY" not in os.environ:
+        with open(token_path) as f:
+            os.environ["LOCKSTEP_API_KEY"] = f.read().strip()  # every engine request carries it
+
     if args.role == "engine":
         from pipeline.rollout.engine import server
 

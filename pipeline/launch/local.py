@@ -50,6 +50,9 @@ class Proc:
     popen: subprocess.Popen
     log_path: str
     required: bool = True  # its failure fails the run
+    cmd: list[str] | None = None
+    env: dict | None = None
+    restarts_left: int = 0  # > 0: a death restarts it instead of failing the run
 
 
 class Supervisor:
@@ -59,29 +62,51 @@ class Supervisor:
         self.layout = layout
         self.env = dict(os.environ, **(env or {}))
         self.procs: list[Proc] = []
+        self.stopping = False
 
     def start(self, name: str, args: list[str], env: dict | None = None) -> Proc:
         """Start component entry point `python -m pipeline.launch.component ARGS`."""
-        return self.start_command(name, [sys.executable, "-m", "pipeline.launch.component", *args], env)
+        return self.start_command(name, component_cmd(*args), env)
 
-    def start_command(self, name: str, cmd: list[str], env: dict | None = None, required: bool = True) -> Proc:
-        path = self.layout.log_file(name)
-        logf = open(path, "ab")
-        popen = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})),
-                                 start_new_session=True, preexec_fn=_die_with_parent)
-        logf.close()
-        proc = Proc(name, popen, path, required)
+    def start_command(self, name: str, cmd: list[str], env: dict | None = None, required: bool = True,
+                      restarts: int = 0) -> Proc:
+        proc = Proc(name, self._spawn(name, cmd, env), self.layout.log_file(name), required, cmd, env, restarts)
         self.procs.append(proc)
         return proc
 
+    def _spawn(self, name: str, cmd: list[str], env: dict | None) -> subprocess.Popen:
+        logf = open(self.layout.log_file(name), "ab")
+        try:
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})),
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            logf.close()
+
+    def restart_dead(self) -> list[str]:
+        """Restart processes that may be restarted and have died; returns their names."""
+        restarted = []
+        for p in self.procs:
+            rc = p.popen.poll()
+            if rc is not None and rc != 0 and p.restarts_left > 0 and not self.stopping:
+                p.restarts_left -= 1
+                log.warning("%s died (exit %s); restarting it (%d restarts left)", p.name, rc, p.restarts_left)
+                with open(p.log_path, "a") as f:
+                    f.write(f"\n=== lockstep: restarted after exit status {rc} ===\n")
+                p.popen = self._spawn(p.name, p.cmd, p.env)
+                restarted.append(p.name)
+        return restarted
+
     def check(self) -> None:
-        """Raise ComponentFailed for the first process that exited with an error."""
+        """Restart what may be restarted; raise ComponentFailed for the first other process that exited
+        with an error."""
+        self.restart_dead()
         for p in self.procs:
             rc = p.popen.poll()
             if rc not in (None, 0) and p.required:
                 raise ComponentFailed(p.name, rc, tail(p.log_path))
 
     def stop_all(self, grace_s: float = 5.0) -> None:
+        self.stopping = True
         for p in self.procs:
             if p.popen.poll() is None:
                 try:
@@ -100,6 +125,10 @@ class Supervisor:
                 p.popen.wait()
 
 
+def component_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.launch.component", *args]
+
+
 def trainer_env(rank: int, world: int, port: int) -> dict:
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -112,7 +141,8 @@ def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel / kill: stop children, then exit
     try:
         for i in range(cfg.engine.num_engines):
-            sup.start(f"engine_{i}", ["engine", "--run-dir", layout.root, "--index", str(i)])
+            sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", layout.root, "--index", str(i)),
+                              restarts=cfg.engine.max_restarts)
         for i in range(cfg.engine.num_engines):
             rdzv.wait_for(rdzv.engine_file(layout.root, i), timeout_s=600, alive=sup.check)
         sup.start("rollout", ["rollout", "--run-dir", layout.root])

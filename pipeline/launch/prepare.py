@@ -13,7 +13,7 @@ import os
 
 from pipeline.config import RESOLVED_NAME, dump_config
 from pipeline.config.schema import RunConfig
-from pipeline.errors import UserError
+from pipeline.errors import UserError, storage_error
 from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.utils.fs import atomic_write_bytes
@@ -81,23 +81,40 @@ def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
     shutil.rmtree(tok_dir, ignore_errors=True)
 
 
+def run_token(layout: RunLayout) -> str:
+    """The run's shared secret (run_dir/.token, mode 600): engines reject HTTP requests without it."""
+    import secrets
+
+    path = os.path.join(layout.root, ".token")
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16))
+    with open(path) as f:
+        return f.read().strip()
+
+
 def prepare_run(cfg: RunConfig) -> tuple[RunConfig, RunLayout]:
     cfg = resolve_paths(cfg)
     check_inputs(cfg)
     layout = RunLayout(cfg.run_dir)
-    for d in (layout.root, layout.logs, layout.buffer):
-        os.makedirs(d, exist_ok=True)
-    if not os.access(layout.root, os.W_OK):
-        raise UserError(f"run_dir {layout.root!r} is not writable")
-    previous = os.path.join(layout.root, RESOLVED_NAME)
-    text = dump_config(cfg)
-    if os.path.exists(previous):
-        with open(previous) as f:
-            if f.read() != text:
-                log.warning("run_dir %s held a different config; the new one replaces it (resuming from its checkpoints)",
-                            layout.root)
-    atomic_write_bytes(previous, text.encode())
-    if cfg.model.path is None:
-        make_initial_model(cfg, layout)
-    rdzv.reset_control(layout.root)
+    try:
+        for d in (layout.root, layout.logs, layout.buffer):
+            os.makedirs(d, exist_ok=True)
+        if not os.access(layout.root, os.W_OK):
+            raise UserError(f"run_dir {layout.root!r} is not writable")
+        previous = os.path.join(layout.root, RESOLVED_NAME)
+        text = dump_config(cfg)
+        if os.path.exists(previous):
+            with open(previous) as f:
+                if f.read() != text:
+                    log.warning("run_dir %s held a different config; the new one replaces it (resuming from its "
+                                "checkpoints)", layout.root)
+        atomic_write_bytes(previous, text.encode())
+        if cfg.model.path is None:
+            make_initial_model(cfg, layout)
+        run_token(layout)
+        rdzv.reset_control(layout.root)
+    except OSError as e:
+        raise storage_error("run directory", getattr(e, "filename", None) or layout.root, e) from e
     return cfg, layout

@@ -52,6 +52,16 @@ def engine_urls(run_dir: str, num_engines: int, timeout_s: float = 600.0,
     return [wait_for(engine_file(run_dir, i), timeout_s, alive)["url"] for i in range(num_engines)]
 
 
+def current_engine_urls(run_dir: str, num_engines: int) -> list[str]:
+    """The URLs engines have published so far (without waiting): a restarted engine's new one included."""
+    urls = []
+    for i in range(num_engines):
+        path = engine_file(run_dir, i)
+        if os.path.exists(path):
+            urls.append(read_json(path)["url"])
+    return urls
+
+
 def version_file(run_dir: str) -> str:
     return os.path.join(control_dir(run_dir), "version.json")
 

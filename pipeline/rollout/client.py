@@ -141,47 +141,115 @@ class EngineClient:
 
 
 class EnginePool:
-    """Least-loaded routing over engines, with retry on another engine when one fails."""
+    """Least-loaded routing over engines, with retry on another engine when one fails.
 
-    def __init__(self, urls: list[str], timeout_s: float = 120.0, max_retries: int = 3, api_key: str | None = None):
+    `resolve` (optional) returns the engines' current URLs: after a failure the pool re-reads them,
+    so an engine that was restarted (new port) is used again. `generate(min_version=v)` routes only to
+    engines that hold weight version >= v (a freshly restarted engine starts at version 0 until the
+    trainer has caught it up). Retries go on, with backoff, for `retry_budget_s` seconds in all.
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float = 120.0, max_retries: int = 3, api_key: str | None = None,
+                 resolve=None, retry_budget_s: float | None = None):
         if not urls:
             raise EngineError("no engines to route to")
+        self.timeout_s, self.api_key, self.resolve = timeout_s, api_key, resolve
         self.clients = [EngineClient(u, timeout_s=timeout_s, api_key=api_key) for u in urls]
         self.max_retries = max_retries
+        self.retry_budget_s = retry_budget_s
         self.lock = threading.Lock()
         self.failures: dict[str, int] = {}
+        self.versions: dict[str, int] = {}
+        self.asked: dict[str, float] = {}
+        self.refreshed = time.monotonic()
         self.retries = 0
 
     def abort_all(self) -> None:
         """Abort every in-flight request on every engine (the surplus of an over-sampled step)."""
-        for c in self.clients:
+        for c in list(self.clients):
             try:
                 c.abort_all()
             except EngineError:
                 pass  # an engine that is gone has nothing in flight
 
-    def _pick(self, exclude: set[str], n: int) -> EngineClient:
+    def refresh(self) -> None:
+        """Re-read the engines' URLs (a restarted engine publishes a new one)."""
+        if self.resolve is None:
+            return
+        self.refreshed = time.monotonic()
+        urls = self.resolve()
         with self.lock:
-            candidates = [c for c in self.clients if c.url not in exclude] or self.clients
-            client = min(candidates, key=lambda c: (c.in_flight, self.failures.get(c.url, 0)))
+            known = {c.url: c for c in self.clients}
+            self.clients = [known.get(u) or EngineClient(u, timeout_s=self.timeout_s, api_key=self.api_key) for u in urls]
+            for u in list(self.versions):
+                if u not in urls:
+                    del self.versions[u]
+
+    def version_of(self, client: EngineClient, at_least: int = 0) -> int:
+        """The engine's weight version: the last one seen, asked again (at most twice a second) while it
+        is below `at_least` (a restarted engine is caught up by the trainer a little later)."""
+        v, asked = self.versions.get(client.url, -1), self.asked.get(client.url, 0.0)
+        if v < at_least and time.monotonic() - asked > 0.5:
+            self.asked[client.url] = time.monotonic()
+            reply = client.request("GET", "/get_weight_version", timeout_s=5.0).get("weight_version")
+            v = max(v, int(reply or 0))
+            self.versions[client.url] = v
+        return v
+
+    def note_version(self, url: str, version: str) -> None:
+        if version not in ("", None):
+            self.versions[url] = max(self.versions.get(url, 0), int(version))
+
+    def _pick(self, exclude: set[str], n: int, min_version: int) -> EngineClient | None:
+        if time.monotonic() - self.refreshed > 5.0:  # pick up restarted engines even when nothing failed
+            self.refresh()
+        with self.lock:
+            candidates = [c for c in self.clients if c.url not in exclude] or list(self.clients)
+        ready = []
+        for c in candidates:
+            try:
+                if self.version_of(c, min_version) >= min_version:
+                    ready.append(c)
+            except EngineError:
+                self.versions.pop(c.url, None)
+        if not ready:
+            return None
+        with self.lock:
+            client = min(ready, key=lambda c: (c.in_flight, self.failures.get(c.url, 0)))
             client.in_flight += n  # reserved under the lock, released when the call returns
             return client
 
-    def generate(self, input_ids, sampling_params, **kw) -> list[Generation]:
+    def generate(self, input_ids, sampling_params, min_version: int = 0, **kw) -> list[Generation]:
         tried: set[str] = set()
         last: Exception | None = None
-        for attempt in range(self.max_retries):
-            client = self._pick(tried, len(input_ids))
-            try:
-                return client.generate(input_ids, sampling_params, **kw)
-            except EngineError as e:
-                last = e
-                tried.add(client.url)
-                with self.lock:
-                    self.failures[client.url] = self.failures.get(client.url, 0) + 1
-                    self.retries += 1
-                time.sleep(min(0.2 * 2**attempt, 2.0))
-            finally:
-                with self.lock:
-                    client.in_flight -= len(input_ids)
-        raise EngineError(f"request failed on {len(tried)} engine(s) after {self.max_retries} attempts: {last}")
+        budget = self.retry_budget_s
+        deadline = time.monotonic() + budget if budget else None
+        attempt = 0
+        while True:
+            attempt += 1
+            client = self._pick(tried, len(input_ids), min_version)
+            if client is not None:
+                try:
+                    gens = client.generate(input_ids, sampling_params, **kw)
+                    for g in gens:
+                        self.note_version(client.url, g.weight_version)
+                    return gens
+                except EngineError as e:
+                    last = e
+                    tried.add(client.url)
+                    with self.lock:
+                        self.failures[client.url] = self.failures.get(client.url, 0) + 1
+                        self.retries += 1
+                        self.versions.pop(client.url, None)
+                finally:
+                    with self.lock:
+                        client.in_flight -= len(input_ids)
+            else:
+                last = last or EngineError(f"no engine holds weight version >= {min_version} yet")
+            out_of_time = deadline is not None and time.monotonic() > deadline
+            if (deadline is None and attempt >= self.max_retries) or out_of_time:
+                raise EngineError(f"request failed on {len(tried)} engine(s) after {attempt} attempts: {last}")
+            time.sleep(min(0.2 * 2 ** min(attempt, 4), 2.0))
+            self.refresh()
+            if len(tried) >= len(self.clients):
+                tried.clear()  # every engine failed once: try them again (one may have come back)

@@ -84,7 +84,9 @@ class RolloutManager:
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
         urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines)
         self.pool = EnginePool(urls, timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
-                               api_key=os.environ.get("LOCKSTEP_API_KEY"))
+                               api_key=os.environ.get("LOCKSTEP_API_KEY"),
+                               resolve=lambda: rdzv.current_engine_urls(run_dir, cfg.engine.num_engines),
+                               retry_budget_s=cfg.rollout.retry_budget_s or None)
         self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
                                   opts=WriteOptions.from_config(cfg.buffer))
         self.reader = BufferReader(self.layout.buffer)
@@ -227,7 +229,8 @@ class RolloutManager:
                            "top_k": cfg.rollout_top_k, "sampling_seed": sampling_seed(cfg.rollout_seed, step, g.group_id, i),
                            "no_stop_trim": True, "skip_special_tokens": False})
         moe_shape = (len(self.args.moe_layers), self.args.num_experts_per_tok) if self.record_routing else None
-        gens = self.pool.generate(inputs, params, return_logprob=True, return_routed_experts=self.record_routing,
+        gens = self.pool.generate(inputs, params, min_version=version, return_logprob=True,
+                                  return_routed_experts=self.record_routing,
                                   moe_shape=moe_shape, rid=[f"s{step}-g{g.group_id}-{i}" for i in todo]) if todo else []
         for i, gen in zip(todo, gens):
             g.samples[i] = self.to_sample(g, i, gen, g.samples[i])
@@ -272,6 +275,8 @@ class RolloutManager:
         waiting = [s for g in self.pending for s in g.samples]
         batch = RolloutBatch.from_samples(trained + waiting, num_experts=self.args.num_experts)
         summary = self.summarize(RolloutBatch.from_samples(trained) if trained else batch, trained, elapsed)
+        summary["rollout/request_retries"] = self.pool.retries  # cumulative: requests re-issued after an engine failed
+        summary["data/rows_skipped"] = sum(self.dataset.stats.skipped.values())
         summary.update({"rollout/groups_kept": len(kept), "rollout/groups_filtered": len(filtered),
                         "rollout/groups_pending": len(self.pending), "rollout/groups_dropped": len(dropped),
                         "rollout/weight_version": version})

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from pipeline import faults
+from pipeline.errors import storage_error
 from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json
 
 STATE_NAME = "trainer_state.json"
@@ -49,22 +52,28 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep
     final = ckpt_dir(run_dir, step)
     tmp = os.path.join(ckpt_root(run_dir), f".step_{step:06d}.tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    dist.barrier()
-    if rank == 0:
-        full = dict(state, step=step, scheduler=scheduler.state_dict(), torch_rng=torch.get_rng_state().tolist())
-        atomic_write_json(os.path.join(tmp, STATE_NAME), full)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(ckpt_root(run_dir))
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(ckpt_dir(run_dir, old), ignore_errors=True)
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dist.barrier()
+        time.sleep(faults.slow_checkpoint_s(step))  # fault injection: a window to kill a save in
+        if rank == 0:
+            full = dict(state, step=step, scheduler=scheduler.state_dict(), torch_rng=torch.get_rng_state().tolist())
+            atomic_write_json(os.path.join(tmp, STATE_NAME), full)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(ckpt_root(run_dir))
+            for old in list_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(ckpt_dir(run_dir, old), ignore_errors=True)
+    except (OSError, dcp.api.CheckpointException) as e:  # disk full, read-only: keep only complete checkpoints
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise storage_error(f"checkpoint of step {step}", tmp, e) from e
     dist.barrier()
     return final
 

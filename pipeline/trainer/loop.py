@@ -15,12 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline import faults
 from pipeline.algo.losses import grpo_loss, off_policy_weights, reduction_scale, value_loss
 from pipeline.buffer.reader import BufferReader, select_fresh
 from pipeline.buffer.schema import TRAINABLE, RolloutBatch
 from pipeline.buffer.writer import remove_step
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
+from pipeline.errors import NonFiniteError
 from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.launch.net import bind_address
@@ -59,6 +61,8 @@ class Trainer:
                                    on_corrupt=cfg.buffer.on_corrupt)
         self.sender: BroadcastSender | None = None
         self.metrics: MetricsWriter | None = None
+        self.nonfinite_in_row = 0
+        self.step = 0
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -73,6 +77,7 @@ class Trainer:
             rdzv.publish_version(self.layout.root, start)
         for step in range(start, cfg.num_rollout):
             t0 = time.monotonic()
+            self.step = step
             batch, rollout_info = self.get_rollout(step, version=step)
             t1 = time.monotonic()
             train_metrics = self.train_on(batch)
@@ -117,13 +122,17 @@ class Trainer:
         return int(record["step"])
 
     def connect_engines(self) -> None:
-        urls = rdzv.engine_urls(self.layout.root, self.cfg.engine.num_engines)
-        clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=os.environ.get("LOCKSTEP_API_KEY"))
-                   for u in urls]
+        """Rank 0: the weight group with every engine, and a watcher that catches up a restarted engine."""
+        root, n, key = self.layout.root, self.cfg.engine.num_engines, os.environ.get("LOCKSTEP_API_KEY")
+        urls = rdzv.engine_urls(root, n)
+        clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = BroadcastSender(self.cfg.weights, clients, self.device, host,
-                                      publish_path=os.path.join(rdzv.rdzv_dir(self.layout.root), "weights.json"))
-        self.sender.connect()
+                                      publish_path=os.path.join(rdzv.rdzv_dir(root), "weights.json"),
+                                      urls=lambda: rdzv.current_engine_urls(root, n), api_key=key)
+        self.sender.connect(clients)
+        if self.cfg.weights.keep_host_copy:
+            self.sender.watch()
 
     def get_rollout(self, step: int, version: int) -> tuple[RolloutBatch, dict]:
         """Step `step`'s committed rollouts, reduced to what trains now: finished samples of kept groups,
@@ -163,7 +172,23 @@ class Trainer:
             norm, stepped = b.optimizer_step()
             grad_norms.append(norm)
             skipped += not stepped
+            self.note_nonfinite(stepped, norm)
         return self.reduce_metrics(sums, maxes, grad_norms, skipped)
+
+    def note_nonfinite(self, stepped: bool, norm: float) -> None:
+        """A non-finite gradient skips its optimizer step (the weights stay as they were); too many in a
+        row stop the run, since the model or the data is broken."""
+        if stepped:
+            self.nonfinite_in_row = 0
+            return
+        self.nonfinite_in_row += 1
+        limit = self.cfg.train.max_consecutive_nonfinite
+        log.warning("non-finite gradient norm (%s): optimizer step skipped (%d in a row)", norm, self.nonfinite_in_row)
+        if limit and self.nonfinite_in_row >= limit:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite loss or gradient "
+                f"(train.max_consecutive_nonfinite={limit}); stopping. The last checkpoint is intact: lower train.lr "
+                "or fix the data, then run again to resume from it")
 
     def plan_minibatches(self, batch: RolloutBatch) -> list[list[tuple[list[int], float]]]:
         lengths = (batch.sample_offsets[1:] - batch.sample_offsets[:-1]).tolist()
@@ -260,6 +285,8 @@ class Trainer:
             v_loss, vm = value_loss(b.values(mb), targets["old_values"], targets["returns"], scale_M, a.eps_clip_value)
             loss = loss + a.value_loss_coef * v_loss
             m.update(vm)
+        if faults.in_range("nan_grad_steps", self.step):
+            loss = loss * float("nan")  # fault injection
         (loss * self.world).backward()  # FSDP averages gradients over ranks; undo that
         diff_M = (old_M - mb.rollout_logp_M).abs() * mb.mask_M * mb.weight
         m = {k: float(v) * mb.weight for k, v in {**m, **is_metrics}.items() if k.endswith("_sum")}

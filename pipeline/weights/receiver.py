@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from pipeline import faults
 from pipeline.weights.group import broadcast, create_group
 
 log = logging.getLogger("lockstep.weights")
@@ -27,52 +28,61 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 class WeightReceiver:
+    """Each group (one per trainer-side membership) stages into its own dict under its own lock, so a
+    broadcast stuck on a dead group (until its timeout) never blocks, or mixes into, the next one."""
+
     def __init__(self, engine):
         self.engine = engine
         self.groups: dict[str, object] = {}
-        self.staged: dict[str, torch.Tensor] = {}
+        self.staged: dict[str, dict[str, torch.Tensor]] = {}
         self.staging: dict[str, torch.device] = {}
-        self.lock = threading.Lock()
+        self.locks: dict[str, threading.Lock] = {}
         self.last_update_s = 0.0
 
     def init_group(self, body: dict) -> tuple[bool, str]:
+        name = body.get("group_name", "weight_update_group")
         try:
-            name = body.get("group_name", "weight_update_group")
             pg = create_group(body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
                               int(body["world_size"]), body.get("backend", "gloo"),
                               float(body.get("timeout_s", 300)))
         except Exception as e:  # reported to the trainer, which fails with this message
             return False, f"init_weights_update_group failed: {type(e).__name__}: {e}"
-        self.groups[name] = pg
-        self.staging[name] = torch.device("cpu") if body.get("backend", "gloo") == "gloo" else self.engine.device
+        # A new membership replaces the old group; whatever the old one had half-staged is dropped.
+        self.groups, self.staged, self.locks = {name: pg}, {name: {}}, {name: threading.Lock()}
+        self.staging = {name: torch.device("cpu") if body.get("backend", "gloo") == "gloo" else self.engine.device}
         return True, f"joined group {name}"
 
     def destroy_group(self, body: dict) -> tuple[bool, str]:
         name = body.get("group_name", "weight_update_group")
         self.groups.pop(name, None)
-        self.staged.clear()
+        self.staged.pop(name, None)
         return True, f"destroyed {name}"
 
     def update_from_distributed(self, body: dict) -> tuple[bool, str]:
         name = body.get("group_name", "weight_update_group")
-        if name not in self.groups:
+        pg, lock, device = self.groups.get(name), self.locks.get(name), self.staging.get(name)
+        if pg is None:
             return False, f"no weight update group {name!r}: call /init_weights_update_group first"
-        pg = self.groups[name]
         t0 = time.monotonic()
-        with self.lock:
+        time.sleep(faults.seconds("engine_update_delay_s"))
+        with lock:
+            staged = self.staged.get(name)
             try:
                 for tname, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                    t = torch.empty(shape, dtype=parse_dtype(dtype), device=self.staging[name])
+                    t = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
                     broadcast(pg, t, src=0)
-                    self.staged[tname] = t
+                    if staged is not None:
+                        staged[tname] = t
             except Exception as e:
-                self.staged.clear()
+                self.staged.pop(name, None)
                 self.groups.pop(name, None)
                 return False, f"weight broadcast failed, kept version {self.engine.weight_version}: {e}"
+            if staged is None or self.groups.get(name) is not pg:
+                return False, f"group {name!r} was replaced during the update; kept version {self.engine.weight_version}"
             version = body.get("weight_version")
             if version is None:
                 return True, f"staged {len(body['names'])} tensors"
-            staged, self.staged = self.staged, {}
+            self.staged[name] = {}
         self.engine.load_weights(staged, str(version))
         self.last_update_s = time.monotonic() - t0
         return True, f"weights updated to version {version}"

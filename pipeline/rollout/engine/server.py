@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from pipeline import faults
+
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.weights.receiver import WeightReceiver
 
@@ -64,12 +66,18 @@ class EngineServer:
         self.receiver = WeightReceiver(engine)
         self.started = time.time()
         self.in_flight = 0  # /generate calls not yet answered
+        self.requests = 0
         self.lock = threading.Lock()
+        self.exit_at = int(faults.value("engine_exit_at_request") or 0)
 
     # Each handler returns (status, json-able body).
     def generate(self, body: dict):
         with self.lock:
             self.in_flight += 1
+            self.requests += 1
+            if self.requests == self.exit_at:  # fault injection: die with requests in flight
+                log.error("fault injection: exiting at request %d", self.requests)
+                os._exit(43)
         try:
             return self._generate(body)
         finally:
@@ -169,7 +177,10 @@ def make_handler(server: EngineServer):
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _handle(self, method: str):
-            if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+            import hmac
+
+            given = self.headers.get("Authorization") or ""
+            if server.api_key and not hmac.compare_digest(given, f"Bearer {server.api_key}"):
                 return self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
@@ -202,7 +213,11 @@ def make_handler(server: EngineServer):
     return Handler
 
 
-def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | None = None) -> None:
+def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | None = None,
+          allow_all_interfaces: bool = False) -> None:
+    if host in ("0.0.0.0", "::", "") and not allow_all_interfaces:
+        raise SystemExit("refusing to listen on all interfaces: give --host the node's cluster address or 127.0.0.1"
+                         " (or pass --allow-all-interfaces)")
     httpd = ThreadingHTTPServer((host, port), make_handler(engine_server))
     httpd.daemon_threads = True
     actual_port = httpd.server_address[1]
@@ -248,6 +263,7 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving (rendezvous)")
     p.add_argument("--true-on-policy", action="store_true", help="batch-invariant kernels")
+    p.add_argument("--allow-all-interfaces", action="store_true", help="permit --host 0.0.0.0")
     return p.parse_args(argv)
 
 
@@ -274,7 +290,8 @@ def main(argv=None) -> None:
         from kernels import enable_batch_invariant_mode
 
         enable_batch_invariant_mode()
-    serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file)
+    serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file,
+          args.allow_all_interfaces)
 
 
 if __name__ == "__main__":

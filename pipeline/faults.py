@@ -1,0 +1,46 @@
+"""Fault injection for the reliability tests: real processes, made to fail at chosen points.
+
+LOCKSTEP_FAULTS="name=value,name=value" in a component's environment arms these hooks (unset: every
+hook is a no-op dictionary lookup):
+
+  nan_grad_steps=A-B       trainer: the loss of rollout steps A..B (inclusive) is NaN
+  slow_checkpoint=STEP:S   trainer: sleep S seconds inside the save of the step-STEP checkpoint, before
+                           it is committed
+  engine_update_delay_s=S  engine: sleep S seconds before joining each weight-update broadcast
+  engine_exit_at_request=N engine: exit (status 43) when its N-th /generate request arrives
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def faults() -> dict[str, str]:
+    raw = os.environ.get("LOCKSTEP_FAULTS", "")
+    return dict(item.split("=", 1) for item in raw.split(",") if "=" in item)
+
+
+def value(name: str) -> str | None:
+    return faults().get(name)
+
+
+def seconds(name: str) -> float:
+    v = value(name)
+    return float(v) if v else 0.0
+
+
+def in_range(name: str, n: int) -> bool:
+    """True when `n` lies in the inclusive range A-B (or equals A) given for `name`."""
+    v = value(name)
+    if not v:
+        return False
+    lo, _, hi = v.partition("-")
+    return int(lo) <= n <= int(hi or lo)
+
+
+def slow_checkpoint_s(step: int) -> float:
+    v = value("slow_checkpoint")
+    if not v:
+        return 0.0
+    at, _, secs = v.partition(":")
+    return float(secs or 0) if int(at) == step else 0.0

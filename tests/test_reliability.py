@@ -1,0 +1,366 @@
+"""Faults survived, bad input refused, nothing lost: real processes, real signals, real filesystems."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline.config.schema import BroadcastWeightsConfig
+from pipeline.errors import StorageError
+from pipeline.models.hf_io import load_model, read_state_dict
+from pipeline.observability.metrics import read_metrics
+from pipeline.rollout.client import EngineClient, EngineError
+from pipeline.weights.broadcast import BroadcastSender
+
+from conftest import REPO, wait_until
+from test_e2e import lockstep, procs_of
+
+SMALL = ["rollout_batch_size=8", "global_batch_size=64", "logging.plot=false", "--no-progress"]
+
+
+def launch(run_dir, *overrides, env=None):
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
+                             *SMALL, *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **(env or {})))
+
+
+def weights_equal(a_dir, b_dir) -> bool:
+    a, b = read_state_dict(a_dir), read_state_dict(b_dir)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def engine_pid(run_dir, i=0) -> int:
+    return json.load(open(os.path.join(run_dir, "rendezvous", f"engine_{i}.json")))["pid"]
+
+
+# ---- engines die -----------------------------------------------------------------------------------
+
+def test_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tmp_path):
+    """SIGKILL one of two engines while it generates: its requests go to the other engine, the launcher
+    restarts it, the trainer catches it up to the current weights, and the run ends with exactly the
+    weights of an uninterrupted run (true on-policy: results do not depend on which engine served)."""
+    common = ["num_rollout=8", "engine.num_engines=2", "determinism.true_on_policy=true"]
+    ref = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/ref", *SMALL, *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    run = tmp_path / "faulty"
+    p = launch(run, *common)
+    assert wait_until(lambda: len(read_metrics(str(run))) >= 2, 180)
+    first_pid = engine_pid(run, 0)
+    os.kill(first_pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    assert "engine_0 died (exit -9); restarting it" in err
+    assert engine_pid(run, 0) != first_pid  # a new process published its address
+    rows = read_metrics(str(run))
+    assert [r["step"] for r in rows] == list(range(8))  # every step trained exactly once
+    assert weights_equal(f"{tmp_path}/ref/hf", f"{run}/hf")  # ... and on the same groups
+    trainer_log = open(run / "logs" / "trainer_0.log").read()
+    assert "caught up" in trainer_log
+    assert wait_until(lambda: not procs_of(run), 20)
+
+
+def test_engine_that_keeps_dying_ends_the_run_named(tmp_path):
+    # Every engine process exits at its 3rd request: restarts run out and the run stops, naming it.
+    p = launch(tmp_path / "run", "num_rollout=50", "engine.max_restarts=1",
+               env={"LOCKSTEP_FAULTS": "engine_exit_at_request=3"})
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1
+    assert "restarting it (0 restarts left)" in err and "component 'engine_0' failed (exit status 43)" in err
+    assert wait_until(lambda: not procs_of(tmp_path / "run"), 20)
+
+
+# ---- trainer ranks die, checkpoints ------------------------------------------------------------------
+
+def test_trainer_rank_killed_stops_cleanly_and_resume_matches(tmp_path):
+    common = ["num_rollout=6", "train.num_gpus=2", "checkpoint.save_interval=2"]
+    ref = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/ref", *SMALL, *common)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "run"
+    p = launch(run, *common)
+    assert wait_until(lambda: os.path.exists(run / "checkpoints" / "step_000002" / "trainer_state.json"), 300)
+    rank1 = next(pid for pid in procs_of(run) if "RANK=1" in open(f"/proc/{pid}/environ").read().split("\0"))
+    os.kill(rank1, signal.SIGKILL)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and "component 'trainer_1' failed" in err
+    assert wait_until(lambda: not procs_of(run), 30), procs_of(run)
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", *SMALL, *common)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from checkpoint step" in open(run / "logs" / "trainer_0.log").read()
+    assert [r["step"] for r in read_metrics(str(run))] == list(range(6))
+    assert weights_equal(f"{tmp_path}/ref/hf", f"{run}/hf")
+
+
+def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path):
+    run = tmp_path / "run"
+    common = ["num_rollout=6", "checkpoint.save_interval=2", "checkpoint.keep_last=1"]
+    p = launch(run, *common, env={"LOCKSTEP_FAULTS": "slow_checkpoint=4:60"})
+    tmp_ckpt = run / "checkpoints" / ".step_000004.tmp"
+    assert wait_until(lambda: (tmp_ckpt / ".metadata").exists(), 300)  # DCP files written, not committed
+    os.kill(p.pid, signal.SIGKILL)  # the launcher; its children follow it (PR_SET_PDEATHSIG)
+    p.communicate()
+    assert wait_until(lambda: not procs_of(run), 30)
+    assert sorted(os.listdir(run / "checkpoints")) == [".step_000004.tmp", "step_000002"]
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", *SMALL, *common)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from checkpoint step 2" in open(run / "logs" / "trainer_0.log").read()
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000006"]  # keep_last=1, no leftovers
+    assert [r["step"] for r in read_metrics(str(run))] == list(range(6))
+
+
+# ---- weight sync interrupted -----------------------------------------------------------------------
+
+def perturbed(model_dir, seed):
+    _, model = load_model(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def engine_weights(client, names):
+    return {n: torch.tensor(client.request("POST", "/get_weights_by_name", {"name": n, "truncate_size": -1}))
+            for n in names}
+
+
+def assert_holds(client, weights, version):
+    assert client.weight_version() == str(version)
+    got = engine_weights(client, weights)
+    assert all(torch.equal(got[n], weights[n].flatten()) for n in weights)
+
+
+SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipeline.config.schema import BroadcastWeightsConfig
+    from pipeline.rollout.client import EngineClient
+    from pipeline.weights.broadcast import BroadcastSender
+    url, path = sys.argv[1], sys.argv[2]
+    weights = torch.load(path)
+    s = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, timeout_s=5), [EngineClient(url)],
+                        torch.device("cpu"), "127.0.0.1")
+    s.connect()
+    print("connected", flush=True)
+    s.send(list(weights.items()), version=7)
+    print("sent", flush=True)
+""")
+
+
+def test_trainer_gone_mid_update_engine_keeps_last_complete_version(dense_dir, engine_factory, tmp_path):
+    eng = engine_factory(dense_dir, env={"LOCKSTEP_FAULTS": "engine_update_delay_s=0.3"})
+    client = EngineClient(eng.url)
+    _, model = load_model(dense_dir)
+    original = dict(model.state_dict())
+    new = perturbed(dense_dir, 1)
+    torch.save(new, tmp_path / "w.pt")
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, eng.url, str(tmp_path / "w.pt")], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    assert sender.stdout.readline().strip() == "connected"
+    time.sleep(1.0)  # a few of its ~20 buckets are staged on the engine
+    sender.kill()
+    sender.wait()
+    time.sleep(6)  # the engine's broadcast fails (peer gone, or the 5 s group timeout)
+    assert_holds(client, original, 0)  # the old version, whole: nothing of the cut-off update applied
+    assert len(client.generate([[5, 6]], [{"max_new_tokens": 3, "ignore_eos": True}])[0].output_ids) == 3
+
+
+def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_up(dense_dir, engine_factory):
+    a = engine_factory(dense_dir)
+    b = engine_factory(dense_dir, env={"LOCKSTEP_FAULTS": "engine_update_delay_s=0.5"})
+    urls = [a.url, b.url]
+    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, timeout_s=5),
+                             [EngineClient(u) for u in urls], torch.device("cpu"), "127.0.0.1", urls=lambda: urls)
+    sender.connect()
+    v1 = perturbed(dense_dir, 1)
+    killer = threading.Timer(1.0, lambda: os.kill(b.proc.pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    stats = sender.send(list(v1.items()), version=1)
+    assert time.monotonic() - t0 < 60 and stats["retries"] >= 1
+    assert sender.members == [a.url]
+    assert_holds(EngineClient(a.url), v1, 1)
+    # A replacement engine (new process, new port) is picked up and sent the last version from the host copy.
+    c = engine_factory(dense_dir)
+    urls[1] = c.url
+    assert sender.catch_up()
+    assert sender.members == [a.url, c.url]
+    assert_holds(EngineClient(c.url), v1, 1)
+    assert not sender.catch_up()  # nothing changed since
+    sender.close()
+
+
+def test_weight_update_to_a_stopped_engine_times_out_with_a_clear_error(dense_dir, engine_factory):
+    eng = engine_factory(dense_dir)
+    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],
+                             torch.device("cpu"), "127.0.0.1")
+    sender.connect()
+    os.kill(eng.proc.pid, signal.SIGSTOP)  # alive but silent: the case a hang would come from
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="weight update to version 1 failed"):
+            sender.send(list(perturbed(dense_dir, 1).items()), version=1)
+        assert time.monotonic() - t0 < 60
+    finally:
+        os.kill(eng.proc.pid, signal.SIGCONT)
+    _, model = load_model(dense_dir)
+    time.sleep(4)  # its own side of the broadcast times out too
+    assert_holds(EngineClient(eng.url), dict(model.state_dict()), 0)
+    sender.close()
+
+
+# ---- storage ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs (a real filesystem that fills up), or a skip naming why it cannot be mounted."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def fill(path, leave_bytes):
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    with open(os.path.join(path, "filler"), "wb") as f:
+        f.write(b"\0" * max(free - leave_bytes, 0))
+
+
+def test_disk_full_while_writing_a_shard(small_fs):
+    from pipeline.buffer.reader import BufferReader
+    from pipeline.buffer.writer import ShardWriter
+    from pipeline.buffer.schema import RolloutBatch
+    from test_buffer import make_samples
+
+    def make_batch(n):
+        return RolloutBatch.from_samples(make_samples(n))
+
+    writer = ShardWriter(str(small_fs / "buffer"))
+    writer.write(0, make_batch(8))
+    writer.commit(0)
+    fill(small_fs, 64 << 10)
+    with pytest.raises(StorageError, match="No space left on device"):
+        writer.write(1, make_batch(2000))
+    step1 = small_fs / "buffer" / "step_000001"
+    assert not [f for f in os.listdir(step1) if not f.startswith(".")] if step1.exists() else True
+    reader = BufferReader(str(small_fs / "buffer"))
+    assert reader.committed_steps() == [0] and len(reader.read_step(0)) == 8
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(small_fs, dense_dir):
+    from pipeline.trainer import checkpoint
+
+    _, model = load_model(dense_dir)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    port = 29000 + os.getpid() % 1000
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        checkpoint.save(str(small_fs), 1, model, opt, sched, {}, keep_last=3)
+        fill(small_fs, 16 << 10)
+        with pytest.raises(StorageError, match="checkpoint of step 2.*No space left"):
+            checkpoint.save(str(small_fs), 2, model, opt, sched, {}, keep_last=3)
+        assert checkpoint.list_checkpoints(str(small_fs)) == [1]
+        assert not [n for n in os.listdir(small_fs / "checkpoints") if n.endswith(".tmp")]
+        os.unlink(small_fs / "filler")
+        assert checkpoint.load(str(small_fs), 1, model, opt, sched)["step"] == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_read_only_run_dir_is_a_clear_error(small_fs):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={small_fs}/run", "--no-progress", timeout=120)
+    assert res.returncode == 2
+    assert "cannot write" in res.stderr and "Read-only file system" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+def bad_rows_file(path):
+    rows = [json.dumps({"prompt": "1+2=", "label": "3"}), "{not json", json.dumps(["a list"]),
+            json.dumps({"prompt": 12, "label": "1"}), json.dumps({"label": "no prompt"}),
+            json.dumps({"prompt": "9" * 5000, "label": "9"}), json.dumps({"prompt": "2+2=", "label": "4"})]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_bad_rows_are_skipped_and_counted_or_refused(tmp_path):
+    from pipeline.config.schema import DataConfig
+    from pipeline.errors import UserError
+    from pipeline.models.tokenizer import build_tiny_tokenizer
+    from pipeline.rollout.data import PromptDataset
+
+    data = bad_rows_file(tmp_path / "bad.jsonl")
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    ds = PromptDataset(DataConfig(prompt_data=str(data), max_prompt_len=64), tok, seed=0)
+    assert ds.stats.kept == 2 and ds.stats.rows == 7
+    assert sum(ds.stats.skipped.values()) == 5 and "invalid JSON" in ds.stats.skipped
+    with pytest.raises(UserError, match=r"bad.jsonl:2: invalid JSON"):
+        PromptDataset(DataConfig(prompt_data=str(data), on_bad_row="error"), tok, seed=0)
+
+
+def failing_reward(response, label, metadata):
+    if len(response) % 2:
+        raise ValueError("reward service hiccup")
+    return 1.0
+
+
+def test_reward_function_raising_marks_samples_failed_and_the_run_goes_on(tmp_path):
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *SMALL, "num_rollout=3",
+                   "rollout.rm_type=test_reliability:failing_reward", "checkpoint.export_hf=false",
+                   env=dict(os.environ, PYTHONPATH=f"{REPO}/tests:{REPO}"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(f"{tmp_path}/run")
+    assert len(rows) == 3 and all(r["rollout/reward_failed"] > 0 for r in rows)
+
+
+def test_nan_gradient_is_skipped_then_too_many_stop_the_run(tmp_path):
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/once", *SMALL, "num_rollout=4",
+                   "checkpoint.export_hf=false", env=dict(os.environ, LOCKSTEP_FAULTS="nan_grad_steps=1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    skipped = [r["train/skipped_steps"] for r in read_metrics(f"{tmp_path}/once")]
+    assert skipped[1] > 0 and skipped[0] == skipped[2] == skipped[3] == 0
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/always", *SMALL, "num_rollout=20",
+                   "train.max_consecutive_nonfinite=2", "checkpoint.export_hf=false",
+                   env=dict(os.environ, LOCKSTEP_FAULTS="nan_grad_steps=2-100"))
+    assert res.returncode != 0
+    log = open(f"{tmp_path}/always/logs/trainer_0.log").read()
+    assert "2 optimizer steps in a row had a non-finite loss or gradient" in log
+    assert len(read_metrics(f"{tmp_path}/always")) <= 3
+
+
+# ---- network surfaces ------------------------------------------------------------------------------
+
+def test_engine_rejects_requests_without_the_run_token(dense_dir, engine_factory):
+    eng = engine_factory(dense_dir, extra=["--api-key", "s3cret"])
+    with pytest.raises(EngineError, match="HTTP 401"):
+        EngineClient(eng.url).request("POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
+    with pytest.raises(EngineError, match="HTTP 401"):
+        EngineClient(eng.url, api_key="wrong").request("GET", "/get_weight_version")
+    assert EngineClient(eng.url, api_key="s3cret").weight_version() == "0"
+
+
+def test_engine_refuses_all_interfaces_by_default(dense_dir):
+    res = subprocess.run([sys.executable, "-m", "pipeline.rollout.engine.server", "--model-path", dense_dir,
+                          "--host", "0.0.0.0", "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "refusing to listen on all interfaces" in res.stderr
+
+
+def test_run_token_is_private_and_used(tmp_path):
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *SMALL, "num_rollout=1",
+                   "checkpoint.export_hf=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    token = tmp_path / "run" / ".token"
+    assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text().strip()) == 32

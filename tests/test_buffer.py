@@ -271,3 +271,16 @@ def test_buffer_benchmark_runs(tmp_path):
     rows = json.load(open(out))["results"]
     assert len(rows) == 6 and all(r["write_MBps"] > 0 and r["read_MBps"] > 0 for r in rows)
     assert all(r["routing_bytes_per_slot"] <= 2 for r in rows if r["routing"])
+
+
+@pytest.mark.parametrize("script", ["engine_bench.py", "trainer_bench.py", "weight_sync_bench.py"])
+def test_gpu_benchmarks_have_cpu_variants_that_run(tmp_path, script):
+    """The GPU benchmarks' CPU-sized variants run here, so a change that breaks or slows them shows."""
+    import json
+
+    res = subprocess.run([sys.executable, f"bench/{script}", "--tiny"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PYTHONPATH=REPO, OUT=str(tmp_path)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    rows = json.load(open(path))["rows"]
+    assert rows and all(v > 0 for r in rows for k, v in r.items() if isinstance(v, float))

@@ -1,0 +1,123 @@
+"""Trainer step throughput and MFU: FSDP2 (the trainer's own `shard`), bf16 compute, fp32 master weights,
+packed sequences, per-token logprob loss, AdamW — against the measured bf16 matmul rate of the device.
+
+    python bench/trainer_bench.py                 # GPU: 0.5B and 1.7B-class configs
+    python bench/trainer_bench.py --tiny          # CPU-sized variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from bench.common import qwen3_0p5b, qwen3_1p7b, write  # noqa: E402
+from pipeline.models.attention import PackedCausal  # noqa: E402
+from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.logprobs import token_logprobs  # noqa: E402
+from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
+from pipeline.trainer.fsdp import shard  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_rate(device, n: int) -> float:
+    """Dense bf16 (fp32 on CPU) matmul FLOP/s at n x n x n: the practical peak MFU is measured against."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20 if device.type == "cuda" else 3
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def train_flops(args, tokens: int, seq_len: int) -> float:
+    """Matmul FLOPs of forward + backward (3x forward): linear layers, LM head, causal attention."""
+    h, L = args.hidden_size, args.num_hidden_layers
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
+    linear = 2 * tokens * (L * per_layer + h * args.vocab_size)
+    attention = L * 2 * 2 * tokens * (seq_len / 2) * q  # QK^T and PV over the causal half
+    return 3 * (linear + attention)
+
+
+def step_time(args, device, seq_len: int, seqs: int, steps: int) -> float:
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(args).to(device)
+    mesh = init_device_mesh(device.type, (1,))
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = shard(model, mesh, compute)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ctx = PackedCausal.from_lengths([seq_len] * seqs, device=device)
+    n = seq_len * seqs
+    ids = torch.randint(0, args.vocab_size, (n,), device=device)
+    score = torch.cat([torch.arange(s * seq_len, (s + 1) * seq_len - 1, device=device) for s in range(seqs)])
+    targets = ids[score + 1]
+    adv = torch.randn(len(score), device=device)
+    times = []
+    for i in range(steps + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model(ids, ctx.positions, ctx, None, logits_at_M=score)
+        logp = token_logprobs(logits, targets, 1.0)
+        loss = -(logp * adv).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--steps", type=int, default=5)
+    a = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29555",
+                            rank=0, world_size=1)
+    configs = ([("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), 64, 8)] if a.tiny else
+               [("0.5B", qwen3_0p5b(), 2048, 8), ("1.7B", qwen3_1p7b(), 2048, 8)])
+    peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)
+    rows = []
+    for name, args, seq_len, seqs in configs:
+        t = step_time(args, device, seq_len, seqs, a.steps)
+        tokens = seq_len * seqs
+        achieved = train_flops(args, tokens, seq_len) / t
+        rows.append({"config": name, "tokens_per_step": tokens, "seq_len": seq_len, "step_s": t,
+                     "tokens_per_s": tokens / t, "tflops": achieved / 1e12, "mfu_vs_matmul": achieved / peak})
+        print(f"{name:>10}: {tokens} tokens/step ({seqs} x {seq_len} packed), {t * 1e3:8.1f} ms/step, "
+              f"{tokens / t:10.0f} tok/s, {achieved / 1e12:7.1f} TFLOP/s = {100 * achieved / peak:5.1f}% of the "
+              f"measured matmul rate ({peak / 1e12:.0f} TFLOP/s)", flush=True)
+    dist.destroy_process_group()
+    payload = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+               "matmul_tflops": peak / 1e12, "rows": rows, "torch": torch.__version__}
+    print("wrote", write("trainer_tiny" if a.tiny else "trainer", payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,6 +26,26 @@ def qwen3_1p7b(vocab: int = 151936) -> ModelArgs:
     return ModelArgs(vocab_size=vocab, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                      num_key_value_heads=8, head_dim=128, intermediate_size=6144, max_position_embeddings=4096,
                      rope_theta=1e6, tie_word_embeddings=True, eos_token_id=0)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes moved per second by a device-to-device copy (each byte read once and written once: 2x)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    for _ in range(2):
+        y.copy_(x)
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
 def bench(fn, warmup=5, rep=20) -> float:

@@ -20,31 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import qwen3_0p5b, write  # noqa: E402
+from bench.common import copy_bandwidth, qwen3_0p5b, sync, write  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.hf_io import load_model, save_model  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams  # noqa: E402
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device, nbytes: int) -> float:
-    """Bytes moved per second by a device-to-device copy (each byte read once and written once: 2x)."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    for _ in range(2):
-        y.copy_(x)
-    sync(device)
-    reps = 10
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        y.copy_(x)
-    sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
 def engine_run(model, batch, prompt, new, device, dtype) -> float:

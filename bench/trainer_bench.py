@@ -18,17 +18,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from bench.common import qwen3_0p5b, qwen3_1p7b, write  # noqa: E402
+from bench.common import qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.logprobs import token_logprobs  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.trainer.fsdp import shard  # noqa: E402
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def matmul_rate(device, n: int) -> float:

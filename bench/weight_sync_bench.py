@@ -24,22 +24,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from bench.common import qwen3_0p5b, qwen3_1p7b, write  # noqa: E402
-from bench.engine_bench import copy_bandwidth, sync  # noqa: E402
+from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.rollout.engine.core import Engine  # noqa: E402
-from pipeline.trainer.fsdp import shard  # noqa: E402
-
-
-def full_state(model, args, dtype):
-    from torch.distributed.tensor import DTensor
-
-    for name, p in model.state_dict().items():
-        if args.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        yield name, t.detach().to(dtype)
+from pipeline.trainer.fsdp import full_state, shard  # noqa: E402
 
 
 def measure(args, device, dtype, reps=3) -> dict:

@@ -73,8 +73,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.role} %(name)s %(levelname)s %(message)s")
     from pipeline.config import load_resolved
+    from pipeline.launch.layout import RunLayout
 
-    token_path = os.path.join(args.run_dir, ".token")
+    token_path = RunLayout(args.run_dir).token
     if os.path.exists(token_path) and "LOCKSTEP_API_KEY" not in os.environ:
         with open(token_path) as f:
             os.environ["LOCKSTEP_API_KEY"] = f.read().strip()  # every engine request carries it

@@ -29,6 +29,11 @@ class RunLayout:
         return os.path.join(self.root, "model_init")
 
     @property
+    def token(self) -> str:
+        """The run's shared secret for engine requests (mode 600)."""
+        return os.path.join(self.root, ".token")
+
+    @property
     def hf_export(self) -> str:
         return os.path.join(self.root, "hf")
 

@@ -85,7 +85,7 @@ def run_token(layout: RunLayout) -> str:
     """The run's shared secret (run_dir/.token, mode 600): engines reject HTTP requests without it."""
     import secrets
 
-    path = os.path.join(layout.root, ".token")
+    path = layout.token
     if not os.path.exists(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -35,6 +35,16 @@ def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> f
     return floor + (1.0 - floor) * shape
 
 
+def full_state(model, args, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) of a sharded model one parameter at a time. Collective: every rank
+    must iterate to the end."""
+    for name, p in model.state_dict().items():
+        if args.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        yield name, t.detach().to(dtype or t.dtype)
+
+
 def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: bool = False) -> Qwen3ForCausalLM:
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if recompute:
@@ -135,9 +145,4 @@ class FSDPBackend:
 
     # ---- weights out -------------------------------------------------------------------------------
     def full_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) one parameter at a time. Collective: every rank must iterate."""
-        for name, p in self.model.state_dict().items():
-            if self.args.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            t = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, t.detach().to(dtype or t.dtype)
+        return full_state(self.model, self.args, dtype)

@@ -6,9 +6,9 @@ bucket} while rank 0 broadcasts the bucket's tensors in the same order. NCCL/RCC
 (InfiniBand RDMA across nodes), gloo on CPU.
 
 Engines come and go (a dead one is restarted with a new address): the group is rebuilt whenever the
-set of live engines changes. With keep_host_copy, rank 0 first collects the whole version in host
-memory and sends from there, so a send cut off by a dying engine is retried with the survivors, and
-a restarted engine is caught up later from the same copy without a collective.
+set of live engines changes. With keep_host_copy, rank 0 copies each tensor to host memory as it sends
+it, so a send cut off by a dying engine is retried from that copy with the survivors, and a restarted
+engine is caught up later from the same copy without a trainer collective.
 """
 
 from __future__ import annotations
@@ -108,10 +108,13 @@ class BroadcastSender:
             cache: list[tuple[str, torch.Tensor]] = []
             source = iter(named_tensors)
 
+            def hold(n, t):
+                if keep:
+                    cache.append((n, t.detach().to("cpu", copy=True)))
+
             def tapped():
                 for n, t in source:
-                    if keep:
-                        cache.append((n, t.detach().to("cpu", copy=True)))
+                    hold(n, t)
                     yield n, t
 
             try:
@@ -119,8 +122,7 @@ class BroadcastSender:
                 stats = self._paused(lambda: self._send(tapped(), version), pause)
             except (EngineError, RuntimeError) as e:
                 for n, t in source:  # the rest of the collective gather
-                    if keep:
-                        cache.append((n, t.detach().to("cpu", copy=True)))
+                    hold(n, t)
                 if not keep or attempts <= 1:
                     raise EngineError(f"weight update to version {version} failed: {e}") from e
                 log.warning("weight update to version %d failed (%s); retrying with the live engines", version, e)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hmac
 import json
 import logging
 import os
@@ -27,7 +28,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from pipeline import faults
-
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.weights.receiver import WeightReceiver
 
@@ -177,8 +177,6 @@ def make_handler(server: EngineServer):
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _handle(self, method: str):
-            import hmac
-
             given = self.headers.get("Authorization") or ""
             if server.api_key and not hmac.compare_digest(given, f"Bearer {server.api_key}"):
                 return self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})

@@ -21,7 +21,12 @@ class StorageError(UserError):
 
 
 def is_storage_failure(e: BaseException) -> bool:
-    """An OSError, or HDF5's RuntimeError for a failed file write (it carries the errno in its text)."""
+    """An OSError, HDF5's RuntimeError for a failed file write (it carries the errno in its text), or
+    torch DCP's CheckpointException whose every rank failed that way (it wraps (exception, trace)
+    pairs per rank in `.failures`); a DCP failure of another kind (a bug, a bad state dict) is not."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return all(isinstance(f, tuple) and f and is_storage_failure(f[0]) for f in failures.values())
     return isinstance(e, OSError) or (isinstance(e, RuntimeError) and "file write failed" in str(e))
 
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from conftest import wait_until
 from pipeline.models.attention import PackedCausal
 from pipeline.models.hf_io import load_model
 from pipeline.models.logprobs import token_logprobs
@@ -139,25 +140,49 @@ def test_http_protocol(dense_dir, engine_factory):
         c.request("POST", "/no_such_endpoint", {})
 
 
-def test_http_concurrent_requests_and_abort(dense_dir, engine_factory):
+def test_http_abort_of_a_waiting_and_of_a_running_request(dense_dir, engine_factory):
+    """Deterministic on any machine speed: the engine is paused while the abort lands, and its
+    server info says where the request is (waiting, or running with tokens still to go)."""
     eng = engine_factory(dense_dir)
     c = EngineClient(eng.url)
+
+    def info():
+        return c.request("GET", "/get_server_info")
+
+    def start(rid, results):
+        body = {"input_ids": [5], "rid": rid, "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: results.update({rid: EngineClient(eng.url).request("POST", "/generate", body)}))
+        t.start()
+        return t
+
     results = {}
-
-    def long_request():
-        results["long"] = c.request("POST", "/generate", {"input_ids": [5], "rid": "long-one", "sampling_params": {
-            "max_new_tokens": 100, "ignore_eos": True}})
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    import time
-
-    time.sleep(0.3)
-    out = EngineClient(eng.url).request("POST", "/abort_request", {"rid": "long-one"})
+    c.request("POST", "/pause_generation", {})
+    t = start("queued", results)
+    assert wait_until(lambda: info()["num_waiting_reqs"] == 1, timeout=30)
+    assert c.request("POST", "/abort_request", {"rid": "queued"})["aborted"] == 1
+    c.request("POST", "/continue_generation", {})
     t.join(30)
-    assert out["aborted"] == 1
-    assert results["long"]["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(results["long"]["output_ids"]) < 100
+    assert results["queued"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert results["queued"]["output_ids"] == []
+
+    for attempt in range(5):  # a fast machine may finish all 120 tokens before the pause lands
+        rid = f"running-{attempt}"
+        t = start(rid, results)
+        assert wait_until(lambda: info()["num_running_reqs"] == 1 or rid in results, timeout=30, poll=0.005)
+        c.request("POST", "/pause_generation", {})
+        if info()["num_running_reqs"] == 1:
+            assert c.request("POST", "/abort_request", {"rid": rid})["aborted"] == 1
+            c.request("POST", "/continue_generation", {})
+            t.join(30)
+            out = results[rid]
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(out["output_ids"]) < 120
+            break
+        c.request("POST", "/continue_generation", {})
+        t.join(30)
+    else:
+        pytest.fail("the request never stayed running long enough to be aborted")
+    assert c.request("POST", "/abort_request", {"rid": "no-such-request"})["aborted"] == 0
 
 
 def test_pool_retries_on_another_engine(dense_dir, engine_factory):

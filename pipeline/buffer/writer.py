@@ -3,8 +3,8 @@
 Per step and producer: step_K/part-RRRRR.h5 (written under a hidden temp name, fsynced, renamed) and
 a part record part-RRRRR.json with its size and an xxh3-64 checksum of every column's bytes. The step's leader (producer 0) waits for
 every part record and writes step_K/COMMIT.json; readers take a step only once COMMIT.json exists.
-HDF5 writes the columns straight into the temp file (as fast as a raw sequential write,
-bench/buffer_bench.py); checksums are taken over the arrays in memory (6+ GB/s), so neither writer
+HDF5 writes the columns straight into the temp file through a file object that keeps disk errors
+out of HDF5 (as fast as a raw sequential write, bench/buffer_bench.py); checksums are taken over the arrays in memory (6+ GB/s), so neither writer
 nor reader reads a file twice. No file
 is ever written by two processes, so HDF5 file locking is off (as Lustre needs).
 """
@@ -54,11 +54,89 @@ def checksum(arr) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(arr))
 
 
+class GuardedFile:
+    """A file HDF5 writes through (h5py's file-object driver) that keeps I/O errors away from HDF5.
+
+    When the disk fills or the filesystem goes away mid-write, HDF5 left with a failed write keeps
+    its file open in a broken state, and the library's own clean-up at interpreter exit then crashes
+    the process (SIGSEGV). Here the first OSError is recorded and every later write is dropped, so
+    HDF5 always closes cleanly; `raise_if_failed` re-raises the error afterwards, and the caller
+    removes the file, which was never renamed into place."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "w+b", buffering=0)
+        self.error: OSError | None = None
+        self._pos = 0
+
+    def write(self, b) -> int:
+        n = len(memoryview(b).cast("B"))
+        if self.error is None:
+            try:
+                self._f.seek(self._pos)
+                self._f.write(b)
+            except OSError as e:
+                self.error = e
+        self._pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        self._f.seek(self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            self._pos = pos
+        elif whence == 1:
+            self._pos += pos
+        else:
+            self._pos = os.fstat(self._f.fileno()).st_size + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        if self.error is None:
+            try:
+                self._f.truncate(size)
+            except OSError as e:
+                self.error = e
+        return size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """fsync and close; the first error of the whole write is raised here."""
+        try:
+            if self.error is None:
+                try:
+                    os.fsync(self._f.fileno())
+                except OSError as e:
+                    self.error = e
+        finally:
+            self._f.close()
+        if self.error is not None:
+            raise self.error
+
+
 def write_shard_file(path: str, batch: RolloutBatch, attrs: dict, opts: WriteOptions) -> dict[str, str]:
-    """Write one shard as an HDF5 file at `path` (the caller renames it into place). Returns the
-    checksum of every column."""
+    """Write one shard as an HDF5 file at `path` and fsync it (the caller renames it into place).
+    Returns the checksum of every column."""
     sums: dict[str, str] = {}
-    with h5py.File(path, "w", locking=False) as f:
+    sink = GuardedFile(path)
+    try:
+        _write_columns(sink, batch, attrs, opts, sums)
+    finally:
+        sink.close()
+    return sums
+
+
+def _write_columns(sink: GuardedFile, batch: RolloutBatch, attrs: dict, opts: WriteOptions, sums: dict) -> None:
+    with h5py.File(sink, "w", locking=False) as f:
         def put(name, arr, compress=False):
             arr = np.ascontiguousarray(arr)
             sums[name] = checksum(arr)
@@ -91,7 +169,6 @@ def write_shard_file(path: str, batch: RolloutBatch, attrs: dict, opts: WriteOpt
         f.attrs["created"] = time.time()
         for k, v in attrs.items():
             f.attrs[k] = v if v is not None else ""
-    return sums
 
 
 class ShardWriter:
@@ -115,11 +192,6 @@ class ShardWriter:
         tmp = tmp_name(final)
         try:
             sums = write_shard_file(tmp, batch, meta, self.opts)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
             nbytes = os.path.getsize(tmp)
             os.replace(tmp, final)
             fsync_dir(d)

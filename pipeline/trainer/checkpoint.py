@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pipeline import faults
-from pipeline.errors import storage_error
+from pipeline.errors import is_storage_failure, storage_error
 from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json
 
 STATE_NAME = "trainer_state.json"
@@ -70,10 +70,12 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep
             fsync_dir(ckpt_root(run_dir))
             for old in list_checkpoints(run_dir)[:-keep_last]:
                 shutil.rmtree(ckpt_dir(run_dir, old), ignore_errors=True)
-    except (OSError, dcp.api.CheckpointException) as e:  # disk full, read-only: keep only complete checkpoints
+    except (Exception, dcp.api.CheckpointException) as e:  # keep only complete checkpoints
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise storage_error(f"checkpoint of step {step}", tmp, e) from e
+        if is_storage_failure(e):  # disk full, read-only: the user's to fix, named as such
+            raise storage_error(f"checkpoint of step {step}", tmp, e) from e
+        raise
     dist.barrier()
     return final
 

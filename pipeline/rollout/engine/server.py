@@ -133,6 +133,8 @@ class EngineServer:
         if path == "/get_server_info":
             return HTTPStatus.OK, {"model_path": self.model_path, "max_running_requests": e.max_running,
                                    "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
+                                   "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
+                                   "paused": e.paused,
                                    "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
         if path == "/get_weight_version":
             return HTTPStatus.OK, {"weight_version": e.weight_version}

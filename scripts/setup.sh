@@ -18,3 +18,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -c "import pipeline, torch, h5py" || { echo "setup failed" >&2; exit 1; }
   touch "$stamp"
 fi
+if [ "${1:-}" = "test" ]; then
+  contract=".venv/sglang-contract"
+  if [ ! -f "$contract/.installed" ] || [ env/sglang-contract.txt -nt "$contract/.installed" ]; then
+    rm -rf "$contract"
+    .venv/bin/python -m pip install --disable-pip-version-check -q --no-deps --target "$contract" \
+      -r env/sglang-contract.txt 2>&1 | grep -v "^WARNING" || true
+    PYTHONPATH="$contract" .venv/bin/python -c "import sglang.srt.server_args, sglang_router.router_args" \
+      || { echo "setup: SGLang's contract environment does not import (see env/sglang-contract.txt)" >&2; exit 1; }
+    touch "$contract/.installed"
+  fi
+fi

@@ -174,7 +174,7 @@ def _convert_tagged(value: Any, members: list[type], path: str) -> Any:
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: expected a section with a `type` key, got {value!r}")
     by_tag = {tag: m for m in members for tag in _tag_of(m)}
-    tag = value.get("type")
+    tag = value.get("type", _tag_of(members[0])[0])  # no `type`: the first member (the default)
     if tag not in by_tag:
         hint = difflib.get_close_matches(str(tag), list(by_tag), n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""

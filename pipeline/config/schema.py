@@ -126,28 +126,80 @@ class RolloutConfig:
 
 
 @dataclass
-class LocalEngineConfig:
-    type: Literal["local"] = "local"
-    """The built-in torch engine: SGLang's HTTP protocol, same model code as the trainer."""
+class EngineCommon:
+    """What every engine backend has: how many, where they bind, how requests reach them."""
+
     num_engines: int = 1
-    """Engine processes (each a server with its own copy of the weights)."""
+    """Engine servers (each with its own copy of the weights) (Miles: rollout GPUs / GPUs per engine)."""
     max_running_requests: int = 256
-    """Sequences decoded together per engine (KV-cache slots)."""
+    """Sequences decoded together per engine (SGLang --max-running-requests)."""
     host: str = "127.0.0.1"
     """Interface the engine binds to (loopback locally; the node's cluster interface on Slurm)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the engine runs; auto picks cuda when a GPU is visible."""
-    num_threads: int = 1
-    """torch intra-op threads of each engine process on CPU."""
     max_restarts: int = 3
     """A dead engine is restarted (and caught up to the current weights) up to this many times per
-    engine (local launcher); one more death stops the run, naming it."""
+    engine; one more death stops the run, naming it."""
+    router: Literal["lockstep", "sglang_router"] = "lockstep"
+    """How /generate requests reach the engines: lockstep = the rollout manager's own least-loaded
+    pool with sticky sessions and retry on another engine; sglang_router = the sglang-router package
+    (PyPI) in front of them (control and weight traffic still go to each engine directly)."""
+    router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    """sglang_router only: its --policy (cache_aware routes shared prefixes to the same engine)."""
+    colocated: bool = False
+    """Engines share GPUs with the trainer: after each step's rollouts they give their memory back
+    (/release_memory_occupation: weights and KV cache) while the trainer trains, and take it back for
+    the weight update (SGLang engines start with --enable-memory-saver). Sync mode only."""
 
     def __post_init__(self):
         _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests)
 
 
-EngineConfig = LocalEngineConfig
+@dataclass
+class LocalEngineConfig(EngineCommon):
+    type: Literal["local"] = "local"
+    """The built-in torch engine: SGLang's HTTP protocol, same model code as the trainer."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the engine runs; auto picks cuda when a GPU is visible."""
+    num_threads: int = 1
+    """torch intra-op threads of each engine process on CPU."""
+
+
+@dataclass
+class SglangEngineConfig(EngineCommon):
+    type: Literal["sglang"] = "sglang"
+    """`python -m sglang.launch_server` per engine (rollout nodes with GPUs and SGLang installed)."""
+    tp_size: int = 1
+    """GPUs per engine, tensor parallel (Miles: --rollout-num-gpus-per-engine; SGLang --tp-size)."""
+    mem_fraction_static: float = 0.8
+    """Fraction of GPU memory for weights + KV cache (Miles: --sglang-mem-fraction-static)."""
+    attention_backend: str | None = None
+    """SGLang --attention-backend (fa3, flashinfer, triton, ...); null: SGLang's choice. True
+    on-policy runs need one SGLang supports deterministically (fa3, flashinfer, triton)."""
+    quantization: str | None = None
+    """SGLang --quantization (e.g. fp8) for the rollout weights; null: the checkpoint's dtype."""
+    kv_cache_dtype: str | None = None
+    """SGLang --kv-cache-dtype (e.g. fp8_e4m3); null: auto."""
+    chunked_prefill_size: int | None = None
+    """SGLang --chunked-prefill-size; null: SGLang's default."""
+    python: str = "python3"
+    """Interpreter of the environment that has SGLang (its container's python on clusters)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further `sglang.launch_server` arguments, passed as given (checked by SGLang's own parser)."""
+    startup_timeout_s: float = 1200.0
+    """How long one engine may take to load and answer /health."""
+    health_interval_s: float = 10.0
+    """Seconds between health checks of a serving engine."""
+    health_failures: int = 3
+    """Consecutive failed health checks after which a hung engine is killed and restarted."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _positive("engine", tp_size=self.tp_size, startup_timeout_s=self.startup_timeout_s,
+                  health_interval_s=self.health_interval_s, health_failures=self.health_failures)
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"engine.mem_fraction_static must be in (0, 1) (got {self.mem_fraction_static})")
+
+
+EngineConfig = LocalEngineConfig | SglangEngineConfig
 
 
 @dataclass
@@ -456,6 +508,9 @@ class RunConfig:
                 f"train.max_tokens_per_gpu ({t.max_tokens_per_gpu}) < data.max_prompt_len +"
                 f" rollout.rollout_max_response_len ({longest}): raise it or shorten prompts/responses"
             )
+        if self.engine.colocated and r.mode != "sync":
+            raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
+                              " give their memory to the trainer, so they cannot generate while it trains")
 
     @property
     def off_policy_correction(self) -> str:

@@ -1,6 +1,6 @@
 """Entry points of the processes a run is made of; the local launcher and Slurm's srun both call these.
 
-  python -m pipeline.launch.component engine  --run-dir D --index I
+  python -m pipeline.launch.component engine  --run-dir D --index I   (built-in engine, or SGLang's supervised)
   python -m pipeline.launch.component rollout --run-dir D [--rank R --num-producers P]
   python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...)
 Each reads the resolved config the launcher wrote to D/config.yaml.
@@ -81,11 +81,17 @@ def main(argv=None) -> None:
             os.environ["LOCKSTEP_API_KEY"] = f.read().strip()  # every engine request carries it
 
     if args.role == "engine":
-        from pipeline.rollout.engine import server
-
         cfg = load_resolved(args.run_dir)
         index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", 0))
-        server.main(engine_argv(cfg, args.run_dir, index))
+        if cfg.engine.type == "sglang":
+            from pipeline.rollout import sglang_server
+
+            host = os.environ.get("LOCKSTEP_ENGINE_HOST") or bind_address(default=cfg.engine.host)
+            sglang_server.main(cfg, args.run_dir, index, host)
+        else:
+            from pipeline.rollout.engine import server
+
+            server.main(engine_argv(cfg, args.run_dir, index))
     elif args.role == "rollout":
         from pipeline.rollout import manager
 

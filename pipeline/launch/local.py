@@ -22,18 +22,9 @@ from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.observability.metrics import read_metrics
 from pipeline.observability.report import ProgressBar
+from pipeline.utils.proc import die_with_parent
 
 log = logging.getLogger("lockstep.launch")
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies (even by SIGKILL), so no orphans."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the launcher's own signal handling still ends its children
-        pass
 
 
 def tail(path: str, lines: int = 15) -> str:
@@ -78,7 +69,7 @@ class Supervisor:
         logf = open(self.layout.log_file(name), "ab")
         try:
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})),
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent)
         finally:
             logf.close()
 
@@ -142,7 +133,7 @@ def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
     try:
         for i in range(cfg.engine.num_engines):
             sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", layout.root, "--index", str(i)),
-                              restarts=cfg.engine.max_restarts)
+                              restarts=cfg.engine.max_restarts if cfg.engine.type == "local" else 0)
         for i in range(cfg.engine.num_engines):
             rdzv.wait_for(rdzv.engine_file(layout.root, i), timeout_s=600, alive=sup.check)
         sup.start("rollout", ["rollout", "--run-dir", layout.root])

@@ -12,9 +12,13 @@ import json
 import threading
 import time
 import urllib.parse
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pipeline.rollout import protocol
 
 
 class EngineError(RuntimeError):
@@ -45,6 +49,7 @@ class EngineClient:
     timeout_s: float = 120.0
     api_key: str | None = None
     in_flight: int = 0
+    _old_api: bool = field(default=False, repr=False)  # the server answers /get_weight_version, not /model_info
     _local: threading.local = field(default_factory=threading.local, repr=False)
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -77,7 +82,12 @@ class EngineClient:
                 raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
             if resp.status >= 400:
                 raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {payload[:300]!r}")
-            return json.loads(payload) if payload else {}
+            if not payload:
+                return {}
+            try:
+                return json.loads(payload)
+            except json.JSONDecodeError:  # e.g. sglang-router's /health answers plain "OK"
+                return {"text": payload.decode(errors="replace")}
         raise AssertionError("unreachable")
 
     def health(self, timeout_s: float = 5.0) -> bool:
@@ -89,12 +99,23 @@ class EngineClient:
 
     def generate(self, input_ids: list[list[int]], sampling_params: list[dict], *, return_logprob: bool = True,
                  return_routed_experts: bool = False, rid: list[str] | None = None,
-                 moe_shape: tuple[int, int] | None = None) -> list[Generation]:
-        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
-        if return_routed_experts:
-            body["return_routed_experts"] = True
-        if rid is not None:
-            body["rid"] = rid
+                 moe_shape: tuple[int, int] | None = None, one_by_one: bool = False) -> list[Generation]:
+        if one_by_one and len(input_ids) > 1:
+            # sglang-router takes one prompt per request (its body type has a single sampling_params
+            # map); each then goes to the engine the router picks.
+            with ThreadPoolExecutor(max_workers=min(len(input_ids), 32)) as ex:
+                parts = ex.map(lambda i: self.generate(
+                    [input_ids[i]], [sampling_params[i]], return_logprob=return_logprob,
+                    return_routed_experts=return_routed_experts, rid=[rid[i]] if rid else None, moe_shape=moe_shape,
+                    one_by_one=True),
+                    range(len(input_ids)))
+                return [g for part in parts for g in part]
+        if one_by_one:
+            body = protocol.generate_body(input_ids[0], sampling_params[0], return_logprob=return_logprob,
+                                          return_routed_experts=return_routed_experts, rid=rid[0] if rid else None)
+        else:
+            body = protocol.generate_body(input_ids, sampling_params, return_logprob=return_logprob,
+                                          return_routed_experts=return_routed_experts, rid=rid)
         out = self.request("POST", "/generate", body)
         if isinstance(out, dict):
             out = [out]
@@ -127,10 +148,35 @@ class EngineClient:
         self.request("POST", "/continue_generation", {})
 
     def abort_all(self) -> None:
-        self.request("POST", "/abort_request", {"abort_all": True, "rid": ""})
+        self.request("POST", "/abort_request", protocol.abort_body())
 
-    def weight_version(self) -> str:
-        return str(self.request("GET", "/get_weight_version").get("weight_version"))
+    def weight_version(self, timeout_s: float | None = None) -> str:
+        """SGLang >= 0.5.2x reports it in /model_info; older releases have /get_weight_version."""
+        if not self._old_api:
+            try:
+                return str(self.request("GET", "/model_info", timeout_s=timeout_s).get("weight_version"))
+            except EngineError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                self._old_api = True
+        return str(self.request("GET", "/get_weight_version", timeout_s=timeout_s).get("weight_version"))
+
+    def update_weights_from_tensor(self, named, version: int | None = None, tp_size: int = 1,
+                                   timeout_s: float | None = None) -> dict:
+        """Colocated engines (same node): tensors travel as shared-memory / CUDA IPC handles."""
+        return self.checked("/update_weights_from_tensor", protocol.update_tensor_body(named, tp_size, version),
+                            timeout_s)
+
+    def update_weights_from_disk(self, model_path: str, version: int | None = None,
+                                 timeout_s: float | None = None) -> dict:
+        """Engines that share a filesystem with the trainer: an HF checkpoint directory."""
+        return self.checked("/update_weights_from_disk", protocol.update_disk_body(model_path, version), timeout_s)
+
+    def release_memory(self, tags=None) -> dict:
+        return self.checked("/release_memory_occupation", protocol.memory_body(tags))
+
+    def resume_memory(self, tags=None) -> dict:
+        return self.checked("/resume_memory_occupation", protocol.memory_body(tags))
 
     def checked(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
         """POST to a weight endpoint and raise if it reports success: false."""
@@ -143,6 +189,10 @@ class EngineClient:
 class EnginePool:
     """Least-loaded routing over engines, with retry on another engine when one fails.
 
+    Sticky sessions: `generate(session=key)` goes back to the engine that served `key` last while it is
+    alive and ready (a continued partial rollout or a multi-turn conversation finds its prefix in that
+    engine's cache), else to the least loaded one, which then becomes the session's engine.
+
     `resolve` (optional) returns the engines' current URLs: after a failure the pool re-reads them,
     so an engine that was restarted (new port) is used again. `generate(min_version=v)` routes only to
     engines that hold weight version >= v (a freshly restarted engine starts at version 0 until the
@@ -150,7 +200,7 @@ class EnginePool:
     """
 
     def __init__(self, urls: list[str], timeout_s: float = 120.0, max_retries: int = 3, api_key: str | None = None,
-                 resolve=None, retry_budget_s: float | None = None):
+                 resolve=None, retry_budget_s: float | None = None, frontend=None):
         if not urls:
             raise EngineError("no engines to route to")
         self.timeout_s, self.api_key, self.resolve = timeout_s, api_key, resolve
@@ -163,6 +213,13 @@ class EnginePool:
         self.asked: dict[str, float] = {}
         self.refreshed = time.monotonic()
         self.retries = 0
+        self.sticky: OrderedDict[str, str] = OrderedDict()  # session -> engine URL, least recent first
+        self.max_sessions = 100_000
+        self.turn = 0
+        # frontend(urls) -> a router's URL: /generate goes there (the router picks the engine), once
+        # every engine holds the wanted weight version; versions are still asked of each engine.
+        self.frontend = frontend
+        self.frontend_clients: dict[str, EngineClient] = {}
 
     def abort_all(self) -> None:
         """Abort every in-flight request on every engine (the surplus of an over-sampled step)."""
@@ -191,8 +248,8 @@ class EnginePool:
         v, asked = self.versions.get(client.url, -1), self.asked.get(client.url, 0.0)
         if v < at_least and time.monotonic() - asked > 0.5:
             self.asked[client.url] = time.monotonic()
-            reply = client.request("GET", "/get_weight_version", timeout_s=5.0).get("weight_version")
-            v = max(v, int(reply or 0))
+            reply = client.weight_version(timeout_s=5.0)
+            v = max(v, int(reply) if reply not in ("", "None") else 0)
             self.versions[client.url] = v
         return v
 
@@ -200,7 +257,7 @@ class EnginePool:
         if version not in ("", None):
             self.versions[url] = max(self.versions.get(url, 0), int(version))
 
-    def _pick(self, exclude: set[str], n: int, min_version: int) -> EngineClient | None:
+    def _pick(self, exclude: set[str], n: int, min_version: int, session: str | None = None) -> EngineClient | None:
         if time.monotonic() - self.refreshed > 5.0:  # pick up restarted engines even when nothing failed
             self.refresh()
         with self.lock:
@@ -214,12 +271,34 @@ class EnginePool:
                 self.versions.pop(c.url, None)
         if not ready:
             return None
+        if self.frontend is not None:
+            if len(ready) < len(candidates):
+                return None  # the router may pick any engine: wait until all are caught up
+            url = self.frontend([c.url for c in self.clients])
+            with self.lock:
+                client = self.frontend_clients.setdefault(url, EngineClient(url, self.timeout_s, self.api_key))
+                client.in_flight += n
+                return client
         with self.lock:
-            client = min(ready, key=lambda c: (c.in_flight, self.failures.get(c.url, 0)))
+            home = self.sticky.get(session) if session is not None else None
+            self.turn += 1  # ties (e.g. all idle) go round robin
+            rotated = ready[self.turn % len(ready):] + ready[:self.turn % len(ready)]
+            client = next((c for c in ready if c.url == home), None) or min(
+                rotated, key=lambda c: (c.in_flight, self.failures.get(c.url, 0)))
             client.in_flight += n  # reserved under the lock, released when the call returns
             return client
 
-    def generate(self, input_ids, sampling_params, min_version: int = 0, **kw) -> list[Generation]:
+    def remember(self, session: str | None, url: str) -> None:
+        if session is None:
+            return
+        with self.lock:
+            self.sticky[session] = url
+            self.sticky.move_to_end(session)
+            while len(self.sticky) > self.max_sessions:
+                self.sticky.popitem(last=False)
+
+    def generate(self, input_ids, sampling_params, min_version: int = 0, session: str | None = None,
+                 **kw) -> list[Generation]:
         tried: set[str] = set()
         last: Exception | None = None
         budget = self.retry_budget_s
@@ -227,12 +306,17 @@ class EnginePool:
         attempt = 0
         while True:
             attempt += 1
-            client = self._pick(tried, len(input_ids), min_version)
+            client = self._pick(tried, len(input_ids), min_version, session)
             if client is not None:
                 try:
-                    gens = client.generate(input_ids, sampling_params, **kw)
+                    gens = client.generate(input_ids, sampling_params, one_by_one=self.frontend is not None, **kw)
+                    stale = [g.weight_version for g in gens if g.weight_version not in ("", None)
+                             and int(g.weight_version) < min_version]
+                    if stale:  # only through a router: an engine restarted behind it answered first
+                        raise EngineError(f"{client.url} answered with weight version {stale[0]} < {min_version}")
                     for g in gens:
                         self.note_version(client.url, g.weight_version)
+                    self.remember(session, client.url)
                     return gens
                 except EngineError as e:
                     last = e

@@ -27,6 +27,7 @@ from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.models.hf_io import read_model_args
 from pipeline.models.tokenizer import load_tokenizer
+from pipeline.rollout import protocol
 from pipeline.rollout.client import EnginePool, Generation
 from pipeline.rollout.data import Prompt, PromptDataset
 from pipeline.rollout.filters import resolve_filter
@@ -83,10 +84,18 @@ class RolloutManager:
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
         urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines)
+        key = os.environ.get("LOCKSTEP_API_KEY")
+        self.router = None
+        if cfg.engine.router == "sglang_router":
+            from pipeline.rollout.router import SglangRouter
+
+            self.router = SglangRouter(cfg.engine.router_policy, api_key=key,
+                                       log_path=os.path.join(self.layout.logs, f"router_{producer_rank}.log"))
+            self.router.start(urls)
         self.pool = EnginePool(urls, timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
-                               api_key=os.environ.get("LOCKSTEP_API_KEY"),
-                               resolve=lambda: rdzv.current_engine_urls(run_dir, cfg.engine.num_engines),
-                               retry_budget_s=cfg.rollout.retry_budget_s or None)
+                               api_key=key, resolve=lambda: rdzv.current_engine_urls(run_dir, cfg.engine.num_engines),
+                               retry_budget_s=cfg.rollout.retry_budget_s or None,
+                               frontend=self.router.sync if self.router else None)
         self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
                                   opts=WriteOptions.from_config(cfg.buffer))
         self.reader = BufferReader(self.layout.buffer)
@@ -224,14 +233,15 @@ class RolloutManager:
             prior = g.samples[i]
             done_len = len(prior.response_ids) if prior else 0
             inputs.append(list(g.prompt.input_ids) + (list(prior.response_ids) if prior else []))
-            params.append({"max_new_tokens": cfg.rollout_max_response_len - done_len,
-                           "temperature": cfg.rollout_temperature, "top_p": cfg.rollout_top_p,
-                           "top_k": cfg.rollout_top_k, "sampling_seed": sampling_seed(cfg.rollout_seed, step, g.group_id, i),
-                           "no_stop_trim": True, "skip_special_tokens": False})
+            params.append(protocol.sampling_params(
+                max_new_tokens=cfg.rollout_max_response_len - done_len, temperature=cfg.rollout_temperature,
+                top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+                seed=sampling_seed(cfg.rollout_seed, step, g.group_id, i)))
         moe_shape = (len(self.args.moe_layers), self.args.num_experts_per_tok) if self.record_routing else None
         gens = self.pool.generate(inputs, params, min_version=version, return_logprob=True,
                                   return_routed_experts=self.record_routing,
-                                  moe_shape=moe_shape, rid=[f"s{step}-g{g.group_id}-{i}" for i in todo]) if todo else []
+                                  moe_shape=moe_shape, rid=[f"s{step}-g{g.group_id}-{i}" for i in todo],
+                                  session=f"g{g.group_id}") if todo else []
         for i, gen in zip(todo, gens):
             g.samples[i] = self.to_sample(g, i, gen, g.samples[i])
         return g
@@ -310,4 +320,9 @@ class RolloutManager:
 
 def main(run_dir: str, producer_rank: int = 0, num_producers: int = 1) -> None:
     cfg = load_resolved(run_dir)
-    RolloutManager(cfg, run_dir, producer_rank, num_producers).run()
+    manager = RolloutManager(cfg, run_dir, producer_rank, num_producers)
+    try:
+        manager.run()
+    finally:
+        if manager.router is not None:
+            manager.router.stop()

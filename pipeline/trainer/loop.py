@@ -79,10 +79,13 @@ class Trainer:
             t0 = time.monotonic()
             self.step = step
             batch, rollout_info = self.get_rollout(step, version=step)
+            self.engine_memory("release")
             t1 = time.monotonic()
             train_metrics = self.train_on(batch)
             t2 = time.monotonic()
+            self.engine_memory("resume", ["weights"])
             sync = self.sync_weights(version=step + 1)
+            self.engine_memory("resume", ["kv_cache"])
             if self.rank == 0:
                 rdzv.publish_version(self.layout.root, step + 1)
             t3 = time.monotonic()
@@ -133,6 +136,15 @@ class Trainer:
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()
+
+    def engine_memory(self, action: str, tags: list[str] | None = None) -> None:
+        """Colocated engines (engine.colocated): rank 0 has them give their device memory to the trainer
+        once the step's rollouts are in, and take it back for the weight update (weights first, so the
+        update has somewhere to land; then the KV cache)."""
+        if not self.cfg.engine.colocated or self.rank != 0:
+            return
+        for c in self.sender.live_clients():
+            c.release_memory(tags) if action == "release" else c.resume_memory(tags)
 
     def get_rollout(self, step: int, version: int) -> tuple[RolloutBatch, dict]:
         """Step `step`'s committed rollouts, reduced to what trains now: finished samples of kept groups,

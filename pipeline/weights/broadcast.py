@@ -24,6 +24,7 @@ import torch
 
 from pipeline.config.schema import BroadcastWeightsConfig
 from pipeline.launch.rendezvous import free_port, publish
+from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError
 from pipeline.weights.buckets import buckets_of
 from pipeline.weights.group import backend_for, broadcast, create_group
@@ -78,8 +79,8 @@ class BroadcastSender:
                     "group_name": self.group_name}
             if self.publish_path:
                 publish(self.publish_path, dict(info, members=self.members))
-            futures = [self.pool.submit(c.checked, "/init_weights_update_group",
-                                        dict(info, rank_offset=1 + i, timeout_s=self.cfg.timeout_s), self.cfg.timeout_s)
+            futures = [self.pool.submit(c.checked, "/init_weights_update_group", protocol.init_group_body(
+                           rank_offset=1 + i, timeout_s=self.cfg.timeout_s, **info), self.cfg.timeout_s)
                        for i, c in enumerate(self.clients)]
             self.pg = create_group(self.host, port, 0, world, backend, self.cfg.timeout_s)
             for f in futures:
@@ -206,10 +207,7 @@ class BroadcastSender:
         t0 = time.monotonic()
         nbytes = nbuckets = 0
         for bucket, last in buckets_of(named_tensors, int(self.cfg.bucket_size_mb * (1 << 20))):
-            body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name, "flush_cache": last}
-            if last:
-                body["weight_version"] = str(version)
+            body = protocol.update_distributed_body(bucket, self.group_name, version if last else None)
             futures = [self.pool.submit(c.checked, "/update_weights_from_distributed", body, self.cfg.timeout_s)
                        for c in self.clients]
             try:

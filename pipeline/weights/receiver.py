@@ -7,7 +7,10 @@ never a mix of two.
 
 from __future__ import annotations
 
+import base64
+import io
 import logging
+import pickle
 import threading
 import time
 
@@ -25,6 +28,36 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
+
+
+class TensorUnpickler(pickle.Unpickler):
+    """Loads the tensors of /update_weights_from_tensor and nothing else: only torch's own rebuild
+    functions, storage and dtype types, and the few containers a list of (name, tensor) needs."""
+
+    ALLOWED = {
+        ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("collections", "OrderedDict"),
+        ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
+    }
+
+    def find_class(self, module: str, name: str):
+        allowed = ((module, name) in self.ALLOWED
+                   or (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
+                   or (module == "torch._utils" and name.startswith("_rebuild_"))
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a weight update")
+        return super().find_class(module, name)
+
+
+def load_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    import torch.multiprocessing  # noqa: F401  (torch's rebuild functions for shared memory / CUDA IPC)
+
+    named = TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    if not isinstance(named, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+                                              for x in named):
+        raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return named
 
 
 class WeightReceiver:
@@ -86,6 +119,24 @@ class WeightReceiver:
         self.engine.load_weights(staged, str(version))
         self.last_update_s = time.monotonic() - t0
         return True, f"weights updated to version {version}"
+
+    def update_from_tensor(self, body: dict) -> tuple[bool, str]:
+        """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
+        per TP rank (this engine is one rank: the first). Applied as a whole, as the distributed path."""
+        payloads = body.get("serialized_named_tensors") or []
+        if not payloads:
+            return False, "serialized_named_tensors is empty"
+        try:
+            named = load_named_tensors(payloads[0])
+            params = dict(self.engine.model.named_parameters())
+            unknown = [n for n, _ in named if n not in params]
+            if unknown:
+                return False, f"unknown parameter(s) {unknown[:3]}: no weights changed"
+            staged = {n: t.to(self.engine.device, copy=True) for n, t in named}
+        except Exception as e:
+            return False, f"update_weights_from_tensor failed, kept version {self.engine.weight_version}: {e}"
+        self.engine.load_weights(staged, str(body.get("weight_version", self.engine.weight_version)))
+        return True, f"{len(staged)} tensors updated"
 
     def update_from_disk(self, body: dict) -> tuple[bool, str]:
         from pipeline.models.hf_io import read_state_dict

@@ -80,10 +80,15 @@ def plan_steps(cfg, profile: ClusterProfile, run_dir: str, role: str, mode: str,
         per_node = max(1, -(-n_eng // eng_nodes))
         steps.append(("engines", srun_command("engine", run_dir, group=group, nodes=eng_nodes, ntasks=n_eng,
                                               ntasks_per_node=per_node, profile=profile, overlap=True, python=python,
-                                              gpus_per_task=1 if r.gpus_per_node else 0)))
+                                              gpus_per_task=gpus_per_engine(cfg) if r.gpus_per_node else 0)))
         steps.append(("rollout", srun_command("rollout", run_dir, group=group, nodes=1, ntasks=1, ntasks_per_node=1,
                                               profile=profile, overlap=True, python=python)))
     return steps
+
+
+def gpus_per_engine(cfg) -> int:
+    """An SGLang engine takes tp_size GPUs; the built-in engine one."""
+    return getattr(cfg.engine, "tp_size", 1)
 
 
 class SlurmDriver(Checkpointable):

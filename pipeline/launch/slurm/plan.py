@@ -38,6 +38,10 @@ def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
     if s.mode != "colocated" and engines != cfg.engine.num_engines:
         raise UserError(f"slurm.rollout: nodes x tasks_per_node = {engines} engines but engine.num_engines ="
                         f" {cfg.engine.num_engines}: make them equal")
+    tp = getattr(cfg.engine, "tp_size", 1)
+    if s.mode != "colocated" and s.rollout.gpus_per_node and s.rollout.tasks_per_node * tp > s.rollout.gpus_per_node:
+        raise UserError(f"slurm.rollout: {s.rollout.tasks_per_node} engines per node x engine.tp_size {tp} GPUs"
+                        f" > gpus_per_node {s.rollout.gpus_per_node}: lower tasks_per_node or tp_size")
     for comp in components(cfg, profile):
         g = comp.group
         if g.gpus_per_node > profile.gpus_per_node:

@@ -104,6 +104,8 @@ class Engine:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
+        self.released: set[str] = set()  # "weights" / "kv_cache" while their memory is given back
+        self.weights_valid = True  # False after a release, until the next weight update
 
     # ---- client side -------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -294,6 +296,61 @@ class Engine:
         """Swap in a complete set (or subset) of weights between steps."""
         params = dict(self.model.named_parameters())
         with self.model_lock, torch.no_grad():
+            if "weights" in self.released:  # memory comes back; the update fills it
+                self._resume_weights()
             for name, t in named.items():
                 params[name].copy_(t.to(params[name].dtype))
             self.weight_version = version
+            self.weights_valid = self.weights_valid or set(params) <= set(named)
+
+    # ---- memory (colocated runs: the trainer takes the device while the engine sleeps) ---------------
+    def release_memory(self, tags: list[str] | None) -> None:
+        """SGLang's /release_memory_occupation: free the KV cache and/or the weights' memory. Only while
+        nothing runs (pause first). Released weights lose their values: the next weight update brings
+        them back; until then /generate is refused."""
+        tags = list(tags or ("weights", "kv_cache"))
+        with self.cv:
+            if self.waiting or self.running:
+                raise RuntimeError(f"cannot release memory with {len(self.waiting) + len(self.running)} requests "
+                                   "in flight (pause_generation and wait, or abort them first)")
+            self.paused = True
+        with self.model_lock:
+            if "kv_cache" in tags and "kv_cache" not in self.released:
+                for t in self.cache.k + self.cache.v:
+                    t.untyped_storage().resize_(0)
+                self.released.add("kv_cache")
+            if "weights" in tags and "weights" not in self.released:
+                for p in self.model.parameters():
+                    p.data.untyped_storage().resize_(0)
+                self.released.add("weights")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """SGLang's /resume_memory_occupation: take the memory back (weights hold no valid values
+        until the next update; the KV cache is empty)."""
+        tags = list(tags or ("weights", "kv_cache"))
+        with self.model_lock:
+            if "kv_cache" in tags and "kv_cache" in self.released:
+                for t in self.cache.k + self.cache.v:
+                    t.untyped_storage().resize_(t.numel() * t.element_size())
+                    t.zero_()
+                self.released.discard("kv_cache")
+            if "weights" in tags and "weights" in self.released:
+                self._resume_weights()
+                self.weights_valid = False
+        if not self.released:
+            self.resume()
+
+    def _resume_weights(self) -> None:
+        for p in self.model.parameters():
+            p.data.untyped_storage().resize_(p.numel() * p.element_size())
+        self.released.discard("weights")
+
+    def unavailable(self) -> str | None:
+        """Why /generate cannot be served right now (memory released, or weights not refilled)."""
+        if self.released:
+            return f"memory released ({', '.join(sorted(self.released))}): call /resume_memory_occupation"
+        if not self.weights_valid:
+            return "weights were released: send a weight update first"
+        return None

@@ -1,12 +1,15 @@
 """The built-in engine as an HTTP server speaking SGLang's protocol subset.
 
 Endpoints (same paths, bodies and response shapes as `sglang.launch_server`):
-  GET  /health, /health_generate, /get_model_info, /get_server_info, /get_weight_version
+  GET  /health, /health_generate, /model_info (/get_model_info), /server_info (/get_server_info),
+       /get_weight_version (older SGLang; newer ones report weight_version in /model_info)
   POST /generate                 input_ids (one or a batch), sampling_params, return_logprob, return_routed_experts, rid
   POST /abort_request            rid | abort_all
   POST /flush_cache, /pause_generation, /continue_generation
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk model_path
+  POST /update_weights_from_tensor serialized_named_tensors (colocated: shared memory / CUDA IPC handles)
+  POST /release_memory_occupation, /resume_memory_occupation  tags (weights, kv_cache)
 So the rollout manager's client is the one a SGLang cluster uses.
 
 Run it as `python -m pipeline.rollout.engine.server --model-path DIR --port N ...`.
@@ -85,6 +88,9 @@ class EngineServer:
                 self.in_flight -= 1
 
     def _generate(self, body: dict):
+        why = self.engine.unavailable()
+        if why:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"error": why}
         ids = body.get("input_ids")
         if ids is None:
             return HTTPStatus.BAD_REQUEST, {"error": "input_ids is required (this engine does not tokenize text)"}
@@ -128,9 +134,9 @@ class EngineServer:
             if e.error:
                 return HTTPStatus.SERVICE_UNAVAILABLE, {"status": "failed", "error": e.error}
             return HTTPStatus.OK, {"status": "ok"}
-        if path == "/get_model_info":
+        if path in ("/model_info", "/get_model_info"):  # SGLang >= 0.5.2x: /model_info; older: /get_model_info
             return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True, "weight_version": e.weight_version}
-        if path == "/get_server_info":
+        if path in ("/server_info", "/get_server_info"):
             return HTTPStatus.OK, {"model_path": self.model_path, "max_running_requests": e.max_running,
                                    "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
                                    "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
@@ -163,6 +169,15 @@ class EngineServer:
             return self._result(self.receiver.destroy_group(body))
         if path == "/update_weights_from_disk":
             return self._result(self.receiver.update_from_disk(body))
+        if path == "/update_weights_from_tensor":
+            return self._result(self.receiver.update_from_tensor(body))
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            try:
+                (e.release_memory if path.startswith("/release") else e.resume_memory)(body.get("tags"))
+            except RuntimeError as exc:
+                return HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
+            log.info("memory released: %s", ", ".join(sorted(e.released)) or "none")
+            return HTTPStatus.OK, {"success": True, "message": f"released: {sorted(e.released)}"}
         return HTTPStatus.NOT_FOUND, {"error": f"unknown endpoint {path}"}
 
     @staticmethod
@@ -180,7 +195,9 @@ def make_handler(server: EngineServer):
 
         def _handle(self, method: str):
             given = self.headers.get("Authorization") or ""
-            if server.api_key and not hmac.compare_digest(given, f"Bearer {server.api_key}"):
+            path = self.path.split("?")[0]
+            probe = path.startswith(("/health", "/ready"))  # as SGLang: probes need no key (routers, k8s)
+            if server.api_key and not probe and not hmac.compare_digest(given, f"Bearer {server.api_key}"):
                 return self._send(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""

@@ -343,6 +343,11 @@ class BroadcastWeightsConfig:
     keep_host_copy: bool = True
     """Trainer rank 0 keeps the last weights it sent in host memory, to catch up a restarted engine
     without a collective (costs one model's size of CPU memory on that node)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8: send decoder-layer linear weights as blockwise FP8 (e4m3, 128x128 blocks, fp32 scales;
+    SGLang's FP8 layout, half the bytes of bf16) to FP8 rollout engines. Rollouts then come from FP8
+    weights while training stays in model.dtype: use TIS (algo.off_policy_correction=tis) and watch
+    train/rollout_logprob_abs_diff."""
 
     def __post_init__(self):
         _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
@@ -508,6 +513,13 @@ class RunConfig:
                 f"train.max_tokens_per_gpu ({t.max_tokens_per_gpu}) < data.max_prompt_len +"
                 f" rollout.rollout_max_response_len ({longest}): raise it or shorten prompts/responses"
             )
+        if self.weights.quantization == "fp8":
+            if self.determinism.true_on_policy:
+                raise ConfigError("weights.quantization=fp8 and determinism.true_on_policy exclude each other:"
+                                  " FP8 rollouts differ from the trainer's logprobs by design (use TIS instead)")
+            if self.engine.type == "sglang" and self.engine.quantization != "fp8":
+                raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
+                                  " engines too (engine.quantization=fp8)")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")

@@ -34,6 +34,7 @@ from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_mi
 from pipeline.trainer.fsdp import FSDPBackend
 from pipeline.trainer.targets import Scores, take, token_advantages
 from pipeline.weights.broadcast import BroadcastSender
+from pipeline.weights.quant import fp8_stream
 
 log = logging.getLogger("lockstep.trainer")
 
@@ -358,6 +359,8 @@ class Trainer:
         """Collective: all ranks gather full tensors; rank 0 sends them to the engines."""
         dtype = getattr(torch, self.cfg.model.dtype)
         state = self.backend.full_state(dtype)
+        if self.rank == 0 and self.cfg.weights.quantization == "fp8":
+            state = fp8_stream(state)
         if self.rank == 0:
             # Outside sync mode the engines are generating: pause them around the update.
             return self.sender.send(state, version, pause=self.cfg.rollout.mode != "sync")

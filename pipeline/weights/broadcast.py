@@ -27,6 +27,7 @@ from pipeline.launch.rendezvous import free_port, publish
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError
 from pipeline.weights.buckets import buckets_of
+from pipeline.weights.quant import wire
 from pipeline.weights.group import backend_for, broadcast, create_group
 
 log = logging.getLogger("lockstep.weights")
@@ -212,7 +213,7 @@ class BroadcastSender:
                        for c in self.clients]
             try:
                 for _, t in bucket:
-                    broadcast(self.pg, t.to(self.staging).contiguous(), src=0)
+                    broadcast(self.pg, wire(t.to(self.staging).contiguous()), src=0)
                     nbytes += t.numel() * t.element_size()
             finally:
                 for f in futures:

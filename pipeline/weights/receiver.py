@@ -18,6 +18,7 @@ import torch
 
 from pipeline import faults
 from pipeline.weights.group import broadcast, create_group
+from pipeline.weights.quant import SCALE_SUFFIX, dequantize_fp8_pairs, wire
 
 log = logging.getLogger("lockstep.weights")
 
@@ -103,7 +104,7 @@ class WeightReceiver:
             try:
                 for tname, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
                     t = torch.empty(shape, dtype=parse_dtype(dtype), device=device)
-                    broadcast(pg, t, src=0)
+                    broadcast(pg, wire(t), src=0)
                     if staged is not None:
                         staged[tname] = t
             except Exception as e:
@@ -116,9 +117,17 @@ class WeightReceiver:
             if version is None:
                 return True, f"staged {len(body['names'])} tensors"
             self.staged[name] = {}
-        self.engine.load_weights(staged, str(version))
+        self.engine.load_weights(self.dequantized(staged), str(version))
         self.last_update_s = time.monotonic() - t0
         return True, f"weights updated to version {version}"
+
+    def dequantized(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """FP8 updates (weights.quantization=fp8): this engine computes in its own dtype with the FP8
+        values, W = q * scale_inv."""
+        if not any(n.endswith(SCALE_SUFFIX) for n in staged):
+            return staged
+        dtypes = {n: p.dtype for n, p in self.engine.model.named_parameters()}
+        return dequantize_fp8_pairs(staged, dtypes)
 
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
         """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
@@ -129,10 +138,10 @@ class WeightReceiver:
         try:
             named = load_named_tensors(payloads[0])
             params = dict(self.engine.model.named_parameters())
-            unknown = [n for n, _ in named if n not in params]
+            unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in params]
             if unknown:
                 return False, f"unknown parameter(s) {unknown[:3]}: no weights changed"
-            staged = {n: t.to(self.engine.device, copy=True) for n, t in named}
+            staged = self.dequantized({n: t.to(self.engine.device, copy=True) for n, t in named})
         except Exception as e:
             return False, f"update_weights_from_tensor failed, kept version {self.engine.weight_version}: {e}"
         self.engine.load_weights(staged, str(body.get("weight_version", self.engine.weight_version)))

@@ -1,0 +1,78 @@
+"""Blockwise FP8 (e4m3) weight quantisation: 128 x 128 blocks, one fp32 scale per block.
+
+The format of DeepSeek-V3 / SGLang FP8 checkpoints: a linear weight W [out, in] is stored as
+`weight` (float8_e4m3fn) and `weight_scale_inv` (fp32, [ceil(out/128), ceil(in/128)]) with
+W ~= weight * weight_scale_inv, block by block. scale_inv = amax(|block|) / 448 (e4m3's largest
+finite value), so every block uses the full e4m3 range; rounding is to nearest even.
+
+Error bound (the tests check it element by element): e4m3 has 3 mantissa bits, so a value in the
+normal range is off by at most 2^-4 of itself, one in the subnormal range by at most half the
+subnormal step, 2^-10 x scale_inv.
+
+`quantize` / `dequantize` pick the Triton kernels on GPUs (kernels/gpu/fp8.py) and the torch
+reference below elsewhere; both give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import use_triton
+
+BLOCK = 128
+E4M3_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+
+
+def num_blocks(n: int, block: int = BLOCK) -> int:
+    return -(-n // block)
+
+
+def _pad(w: torch.Tensor, block: int) -> torch.Tensor:
+    M, N = w.shape
+    return torch.nn.functional.pad(w, (0, num_blocks(N, block) * block - N, 0, num_blocks(M, block) * block - M))
+
+
+def quantize_ref(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [M, N] -> (q float8_e4m3fn [M, N], scale_inv fp32 [ceil(M/b), ceil(N/b)])."""
+    if w.dim() != 2:
+        raise ValueError(f"blockwise FP8 needs a 2-D weight, got shape {tuple(w.shape)}")
+    M, N = w.shape
+    x = _pad(w.float(), block)
+    bm, bn = x.shape[0] // block, x.shape[1] // block
+    blocks = x.view(bm, block, bn, block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.view(bm * block, bn * block)[:M, :N].contiguous(), scale_inv
+
+
+def dequantize_ref(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   block: int = BLOCK) -> torch.Tensor:
+    M, N = q.shape
+    s = scale_inv.repeat_interleave(block, 0)[:M].repeat_interleave(block, 1)[:, :N]
+    return (q.float() * s).to(dtype)
+
+
+def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(w) and w.is_cuda:
+        from kernels.gpu.fp8 import quantize_blockwise
+
+        return quantize_blockwise(w, block)
+    return quantize_ref(w, block)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
+               block: int = BLOCK) -> torch.Tensor:
+    if use_triton(q) and q.is_cuda:
+        from kernels.gpu.fp8 import dequantize_blockwise
+
+        return dequantize_blockwise(q, scale_inv, dtype, block)
+    return dequantize_ref(q, scale_inv, dtype, block)
+
+
+def error_bound(w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Largest |dequantize(quantize(w)) - w| allowed per element (see the module docstring)."""
+    M, N = w.shape
+    s = scale_inv.repeat_interleave(block, 0)[:M].repeat_interleave(block, 1)[:, :N]
+    return torch.maximum(w.float().abs() * 2.0 ** -4, s * 2.0 ** -10)

@@ -1,0 +1,130 @@
+"""Low precision: blockwise FP8 quantisation, FP8 weight sync to an engine, FP8 rollouts in a run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import REPO
+from kernels import fp8
+from pipeline.config.schema import BroadcastWeightsConfig
+from pipeline.errors import ConfigError
+from pipeline.models.hf_io import load_model
+from pipeline.rollout.client import EngineClient
+from pipeline.weights.broadcast import BroadcastSender
+from pipeline.weights.quant import SCALE_SUFFIX, fp8_stream, is_fp8_target
+
+
+def weights_like_a_model(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.02
+    w[min(3, shape[0] - 1), 5] = 0.9  # an outlier: its block's other values fall into e4m3's subnormal range
+    w[:, 130:140] *= 1e-4  # tiny columns: a block-relative error bound, not a per-value one
+    return w
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (64, 64), (1, 129)])
+def test_fp8_error_is_within_the_e4m3_bound_everywhere(shape):
+    w = weights_like_a_model(shape)
+    q, s = fp8.quantize_ref(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert s.shape == (fp8.num_blocks(shape[0]), fp8.num_blocks(shape[1])) and s.dtype == torch.float32
+    back = fp8.dequantize_ref(q, s)
+    err = (back - w).abs()
+    assert torch.isfinite(back).all()
+    assert (err <= fp8.error_bound(w, s)).all(), float((err / fp8.error_bound(w, s)).max())
+    assert err.max() > 0  # it is a lossy format: a test that saw no error would be testing nothing
+    # every block uses the full range: its largest value maps to +-448 exactly
+    assert float(q.float().abs().max()) == fp8.E4M3_MAX
+    # the scale is amax / 448, bit for bit
+    block0 = w[:128, :128].abs().max()
+    assert s[0, 0].item() == (block0 / fp8.E4M3_MAX).item()
+
+
+def test_fp8_all_zero_block_and_sign():
+    w = torch.zeros(128, 256)
+    w[:, 128:] = -1.0
+    q, s = fp8.quantize_ref(w)
+    assert s[0, 0] == 1.0 and (q[:, :128].float() == 0).all()
+    assert (fp8.dequantize_ref(q, s)[:, 128:] == -1.0).all()
+
+
+def test_fp8_stream_quantizes_linear_weights_only_and_halves_their_bytes(dense_dir):
+    _, model = load_model(dense_dir)
+    state = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
+    out = dict(fp8_stream(state.items()))
+    linear = [n for n, t in state.items() if is_fp8_target(n, t)]
+    assert linear and all(out[n].dtype == torch.float8_e4m3fn for n in linear)
+    assert all(n + SCALE_SUFFIX in out for n in linear)
+    for kept in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert out[kept].dtype == torch.bfloat16
+    before = sum(state[n].numel() * state[n].element_size() for n in linear)
+    after = sum(out[n].numel() * out[n].element_size() + out[n + SCALE_SUFFIX].numel() * 4 for n in linear)
+    elems = sum(state[n].numel() for n in linear)
+    blocks = sum(out[n + SCALE_SUFFIX].numel() for n in linear)
+    assert after == elems + 4 * blocks and before == 2 * elems  # 1 byte per weight + one fp32 scale per block
+    assert after / before <= 0.5 + 2 * blocks / elems
+
+
+def test_fp8_weight_sync_lands_on_the_engine_bit_exactly(dense_dir, engine_factory):
+    """Scales travel bit-exactly: the engine's weights are exactly q * scale_inv of the trainer's."""
+    eng = engine_factory(dense_dir)
+    _, model = load_model(dense_dir)
+    g = torch.Generator().manual_seed(3)
+    new = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in model.state_dict().items()}
+    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, quantization="fp8"),
+                             [EngineClient(eng.url)], torch.device("cpu"), "127.0.0.1")
+    sender.connect()
+    stats = sender.send(list(fp8_stream(new.items())), version=1)
+    sender.close()
+    c = EngineClient(eng.url)
+    for name, w in new.items():
+        got = torch.tensor(c.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": 1 << 20}))
+        if is_fp8_target(name, w):
+            want = fp8.dequantize_ref(*fp8.quantize_ref(w))
+            assert not torch.equal(want, w)  # the engine holds the FP8 values, not the fp32 ones
+        else:
+            want = w
+        assert torch.equal(got, want.reshape(-1)), name
+    fp32_bytes = sum(t.numel() * 4 for t in new.values())
+    assert stats["bytes"] < 0.6 * fp32_bytes, stats
+    assert c.weight_version() == "1"
+
+
+def test_fp8_rollouts_train_with_tis_and_show_the_mismatch(tmp_path):
+    """FP8 rollouts, fp32 training, TIS: the mismatch is visible in the metrics, the weight sync is a
+    third of the fp32 bytes, and the run learns as the plain run of the same seed does."""
+    from test_e2e import lockstep
+    from pipeline.observability.metrics import read_metrics
+
+    common = ["num_rollout=30", "algo.off_policy_correction=tis", "logging.plot=false", "--no-progress"]
+    runs = {}
+    for q in ("none", "fp8"):
+        res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{q}", f"weights.quantization={q}", *common)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[q] = read_metrics(f"{tmp_path}/{q}")
+    plain, low = runs["none"], runs["fp8"]
+    assert len(low) == 30
+    def diff(rows):
+        return sum(r["train/rollout_logprob_abs_diff"] for r in rows) / len(rows)
+
+    assert diff(low) > 10 * diff(plain) and diff(low) > 1e-3  # FP8 rollouts, fp32 training: visible
+    assert low[-1]["weights/bytes"] < 0.35 * plain[-1]["weights/bytes"]
+
+    def reward(rows, sl):
+        return sum(r["rollout/reward_mean"] for r in rows[sl]) / len(rows[sl])
+
+    assert reward(low, slice(-5, None)) > reward(low, slice(0, 5)) + 0.05  # it learns
+    assert reward(low, slice(-5, None)) > reward(plain, slice(-5, None)) - 0.05  # as well as without FP8
+
+
+def test_fp8_config_conflicts_are_refused():
+    from pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match="exclude each other"):
+        load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["weights.quantization=fp8",
+                                                                 "determinism.true_on_policy=true"])
+    with pytest.raises(ConfigError, match="engine.quantization=fp8"):
+        load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["weights.quantization=fp8", "engine.type=sglang"])

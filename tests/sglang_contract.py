@@ -124,6 +124,17 @@ def decode_routed_experts_with_sglang(b64: str) -> list[int]:
     return scope[fn.name]({"meta_info": {"routed_experts": b64}}).tolist()
 
 
+def check_int4_pack(data: dict) -> dict:
+    """compressed-tensors' own packer on our INT4 values, and its unpacker on our packed words."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    q = torch.tensor(data["q"], dtype=torch.int8)
+    ours = torch.tensor(data["packed"], dtype=torch.int32)
+    return {"packed": pack_to_int32(q, 4).tolist(),
+            "unpacked": unpack_from_int32(ours, 4, torch.Size(q.shape)).tolist()}
+
+
 def main() -> None:
     check = sys.argv[1]
     data = json.load(sys.stdin)
@@ -137,6 +148,8 @@ def main() -> None:
         result = {"version": sglang.__version__, "fields": dataclass_fields(), "routes": http_routes(),
                   "sampling": check_sampling_params(data["sampling"]),
                   "routed_experts": decode_routed_experts_with_sglang(data["routed_experts_b64"])}
+    elif check == "int4_pack":
+        result = check_int4_pack(data)
     elif check == "tensor_payload":
         result = check_tensor_payload(data["payload"])
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -128,3 +129,83 @@ def test_fp8_config_conflicts_are_refused():
                                                                  "determinism.true_on_policy=true"])
     with pytest.raises(ConfigError, match="engine.quantization=fp8"):
         load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["weights.quantization=fp8", "engine.type=sglang"])
+
+
+# ---- INT4 QAT ----------------------------------------------------------------------------------------
+
+def test_int4_error_bound_grid_and_straight_through_gradient():
+    from kernels import int4
+
+    w = weights_like_a_model((64, 128), seed=1).requires_grad_(True)
+    q, s = int4.quantize(w, 32, torch.float32)
+    assert q.dtype == torch.int8 and int(q.min()) >= -8 and int(q.max()) <= 7 and s.shape == (64, 4)
+    back = int4.dequantize(q, s, 32)
+    bound = s.repeat_interleave(32, 1) * 0.5 * (1 + 1e-5)  # half a step (the +7.5 end clamps to 7)
+    assert ((back - w.detach()).abs() <= bound).all() and (back != w.detach()).any()
+    fq = int4.fake_quant(w, 32, torch.float32)
+    assert torch.equal(fq.detach(), back)
+    c = torch.randn(64, 128)
+    (fq * c).sum().backward()
+    assert torch.equal(w.grad, c)  # straight through
+    # bf16 scales: the scale used in training is the one a bf16 export stores
+    _, s16 = int4.quantize(w, 32, torch.bfloat16)
+    assert torch.equal(s16, s16.to(torch.bfloat16).float())
+
+
+def test_int4_packing_matches_compressed_tensors():
+    from kernels import int4
+    from test_sglang_contract import contract
+
+    q = torch.randint(-8, 8, (6, 48), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = int4.pack(q)
+    assert packed.dtype == torch.int32 and packed.shape == (6, 6)
+    assert torch.equal(int4.unpack(packed, q.shape), q)
+    theirs = contract("int4_pack", {"q": q.tolist(), "packed": packed.tolist()})
+    assert theirs["packed"] == packed.tolist()  # their packer gives our words
+    assert theirs["unpacked"] == q.tolist()  # their unpacker reads our words back
+
+
+def test_int4_qat_recipe_trains_bit_exactly_and_exports_w4a16(tmp_path, engine_factory):
+    """The recipe's first steps: the trainer (fake-quantized experts) and the engine (INT4 values by
+    weight sync) agree bit for bit (the run asserts a zero logprob difference), the reward rises, and
+    the export is a packed W4A16 checkpoint that loads back onto the INT4 grid and serves."""
+    from test_e2e import lockstep
+    from pipeline.models.hf_io import read_state_dict
+    from pipeline.models.qat import is_int4_target
+    from pipeline.observability.metrics import read_metrics
+
+    run = tmp_path / "run"
+    res = lockstep("run", "configs/tiny-moe-int4-qat.yaml", f"run_dir={run}", "num_rollout=40", "logging.plot=false",
+                   "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(str(run))
+    assert all(r["train/rollout_logprob_max_abs_diff"] == 0 for r in rows)
+    first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
+    last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
+    assert last > first + 0.1, (first, last)
+    cfg = json.load(open(run / "hf" / "config.json"))
+    assert cfg["quantization_config"]["format"] == "pack-quantized"
+    assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 16
+    from safetensors.torch import load_file
+
+    raw = load_file(str(run / "hf" / "model.safetensors"))
+    packed = [k for k in raw if k.endswith(".weight_packed")]
+    assert packed and all(raw[k].dtype == torch.int32 for k in packed)
+    dense = read_state_dict(str(run / "hf"))
+    experts = [k for k in dense if is_int4_target(k)]
+    assert len(experts) == len(packed)
+    for k in experts:  # each group is an integer multiple of its scale, within [-8, 7]
+        w = dense[k].reshape(dense[k].shape[0], -1, 16)
+        s = raw[k.removesuffix(".weight") + ".weight_scale"].float()[..., None]
+        q = (w / s).round()
+        assert ((w / s) - q).abs().max() < 1e-4 and q.min() >= -8 and q.max() <= 7
+    eng = engine_factory(str(run / "hf"))
+    assert len(EngineClient(eng.url).generate([[5, 6]], [{"max_new_tokens": 2, "ignore_eos": True}])[0].output_ids) == 2
+
+
+def test_int4_qat_on_a_dense_model_is_refused(tmp_path):
+    from test_e2e import lockstep
+
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "train.int4_qat=true", "num_rollout=1",
+                   "--no-progress")
+    assert res.returncode != 0 and "int4_qat quantizes MoE expert weights" in res.stderr

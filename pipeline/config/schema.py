@@ -237,6 +237,12 @@ class TrainConfig:
     """Where trainer ranks run; auto picks cuda when a GPU is visible."""
     num_threads: int = 1
     """torch intra-op threads of each trainer rank on CPU."""
+    int4_qat: bool = False
+    """INT4 quantisation-aware training of the MoE experts' projections (fake quantiser with a
+    straight-through estimator): engines get and serve the INT4 values, the HF export is packed W4A16
+    (compressed-tensors pack-quantized, servable by SGLang/vLLM)."""
+    int4_group_size: int = 32
+    """Input columns per INT4 scale (must divide hidden and moe_intermediate sizes)."""
     seed: int = 1234
     """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
     recompute_activations: bool = False

@@ -43,6 +43,10 @@ def read_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(os.path.join(model_dir, name)))
+    if any(k.endswith(".weight_packed") for k in state):  # a W4A16 (compressed-tensors) checkpoint
+        from pipeline.models.qat import dense_from_w4a16
+
+        state = dense_from_w4a16(state)
     return state
 
 
@@ -91,13 +95,14 @@ def save_model(
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = 4 << 30,
     dtype: torch.dtype | None = None,
+    quantization_config: dict | None = None,
 ) -> None:
     """Write an HF checkpoint directory (sharded above max_shard_bytes), atomically."""
     from safetensors.torch import save_file
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -113,6 +118,8 @@ def save_model(
         hf_cfg = args.to_hf()
         if dtype is not None:
             hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        if quantization_config is not None:
+            hf_cfg["quantization_config"] = quantization_config
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         if len(shards) == 1:

@@ -21,10 +21,16 @@ from pipeline.models.config import ModelArgs
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose matmul goes through kernels.linear."""
+    """nn.Linear (same parameters and names) whose matmul goes through kernels.linear.
+
+    `weight_transform` (None, or e.g. INT4 fake quantisation for QAT: pipeline/models/qat.py) maps the
+    stored weight to the one the forward uses."""
+
+    weight_transform = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
+        w = self.weight if self.weight_transform is None else self.weight_transform(self.weight)
+        return kernels.linear(x, w, self.bias)
 
 
 class RMSNorm(nn.Module):

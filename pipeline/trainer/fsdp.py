@@ -58,6 +58,11 @@ def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: 
     return model
 
 
+def int4_scale_dtype(cfg) -> torch.dtype:
+    """INT4 scales are stored (and so trained with) in the export dtype: bf16, or fp32 for fp32 runs."""
+    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+
+
 class FSDPBackend:
     def __init__(self, cfg: RunConfig, model_dir: str, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -65,6 +70,17 @@ class FSDPBackend:
         self.world = dist.get_world_size()
         self.mesh = init_device_mesh(device.type, (self.world,))
         self.args, model = load_model(model_dir, dtype=torch.float32, device=device)
+        if cfg.train.int4_qat:
+            from pipeline.errors import ConfigError
+            from pipeline.models.qat import enable_int4_qat
+
+            if not self.args.is_moe:
+                raise ConfigError("train.int4_qat quantizes MoE expert weights, and this model has none"
+                                  " (model.init=tiny-moe, or a Qwen3-MoE checkpoint)")
+            try:
+                enable_int4_qat(model, cfg.train.int4_group_size, int4_scale_dtype(cfg))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.model = shard(model, self.mesh, self.compute_dtype, recompute=cfg.train.recompute_activations)
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),

@@ -31,9 +31,10 @@ from pipeline.rollout.client import EngineClient
 from pipeline.rollout.tito import verify_batch
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
-from pipeline.trainer.fsdp import FSDPBackend
+from pipeline.trainer.fsdp import FSDPBackend, int4_scale_dtype
 from pipeline.trainer.targets import Scores, take, token_advantages
 from pipeline.weights.broadcast import BroadcastSender
+from pipeline.models.qat import int4_values, w4a16_state
 from pipeline.weights.quant import fp8_stream
 
 log = logging.getLogger("lockstep.trainer")
@@ -72,8 +73,9 @@ class Trainer:
         if self.rank == 0:
             self.metrics = MetricsWriter(self.layout.root, start_step=start)
             self.connect_engines()
-        if start > 0:
-            self.sync_weights(version=start)  # engines loaded version 0 from disk
+        if start > 0 or cfg.train.int4_qat:
+            # engines loaded version 0 from disk (and, for INT4 QAT, not yet on the INT4 grid)
+            self.sync_weights(version=start)
         if self.rank == 0:
             rdzv.publish_version(self.layout.root, start)
         for step in range(start, cfg.num_rollout):
@@ -359,6 +361,8 @@ class Trainer:
         """Collective: all ranks gather full tensors; rank 0 sends them to the engines."""
         dtype = getattr(torch, self.cfg.model.dtype)
         state = self.backend.full_state(dtype)
+        if self.rank == 0 and self.cfg.train.int4_qat:  # engines serve the INT4 values the trainer used
+            state = int4_values(state, self.cfg.train.int4_group_size, int4_scale_dtype(self.cfg))
         if self.rank == 0 and self.cfg.weights.quantization == "fp8":
             state = fp8_stream(state)
         if self.rank == 0:
@@ -401,7 +405,11 @@ class Trainer:
 
         state = dict(self.backend.full_state(getattr(torch, self.cfg.model.dtype)))
         if self.rank == 0:
-            save_model(state, self.backend.args, self.layout.hf_export, tokenizer_dir=self.layout.model_dir(self.cfg))
+            qcfg = None
+            if self.cfg.train.int4_qat:  # packed W4A16, the checkpoint an INT4 rollout engine serves
+                state, qcfg = w4a16_state(state, self.cfg.train.int4_group_size, int4_scale_dtype(self.cfg))
+            save_model(state, self.backend.args, self.layout.hf_export, tokenizer_dir=self.layout.model_dir(self.cfg),
+                       quantization_config=qcfg)
 
 
 def main(run_dir: str) -> None:

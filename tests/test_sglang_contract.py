@@ -57,6 +57,7 @@ VARIANTS = {
     "colocated_flashinfer": ["engine.colocated=true", "engine.attention_backend=flashinfer",
                              "engine.mem_fraction_static=0.5"],
     "extra_args": ["engine.extra_args=[--disable-radix-cache, --schedule-policy, lpm]"],
+    "mtp_nextn": ["model.mtp_num_layers=1", "engine.speculative_algorithm=NEXTN", "engine.speculative_num_steps=2"],
 }
 
 
@@ -79,6 +80,9 @@ def test_every_generated_server_command_line_is_accepted_by_sglang_server_args()
             want.update(enable_memory_saver=True, attention_backend="flashinfer")
         if name == "extra_args":
             want.update(disable_radix_cache=True, schedule_policy="lpm")
+        if name == "mtp_nextn":
+            want.update(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_eagle_topk=1,
+                        speculative_num_draft_tokens=3)
         if name == "r3_moe":
             want["enable_return_routed_experts"] = True
         cases.append({"argv": argv, "expect": sorted(want)})

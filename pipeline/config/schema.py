@@ -31,6 +31,15 @@ class ModelConfig:
     """Seed of the random initialisation when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and compute dtype of trainer and built-in engine (bfloat16 on GPUs)."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction draft layers (0 or 1; Miles: --mtp-num-layers). 1 keeps the checkpoint's
+    MTP head (Qwen3-Next / Qwen3-MoE-MTP names: mtp.fc, mtp.layers.0.*, ...) or adds a fresh one,
+    trains it alongside the policy (train.mtp_loss_scaling_factor) and lets engines draft with it
+    (engine.speculative_algorithm)."""
+
+    def __post_init__(self):
+        if self.mtp_num_layers not in (0, 1):
+            raise ConfigError(f"model.mtp_num_layers must be 0 or 1 (got {self.mtp_num_layers})")
 
 
 @dataclass
@@ -144,13 +153,20 @@ class EngineCommon:
     (PyPI) in front of them (control and weight traffic still go to each engine directly)."""
     router_policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
     """sglang_router only: its --policy (cache_aware routes shared prefixes to the same engine)."""
+    speculative_algorithm: Literal["NEXTN", "EAGLE"] | None = None
+    """Speculative decoding with the model's MTP head (SGLang --speculative-algorithm; NEXTN and EAGLE
+    both draft a chain with it here). Needs model.mtp_num_layers=1. Tokens are exactly those of plain
+    decoding (bit-identical in true on-policy mode); only the speed changes."""
+    speculative_num_steps: int = 3
+    """Draft tokens per verify step (SGLang --speculative-num-steps; eagle topk is 1)."""
     colocated: bool = False
     """Engines share GPUs with the trainer: after each step's rollouts they give their memory back
     (/release_memory_occupation: weights and KV cache) while the trainer trains, and take it back for
     the weight update (SGLang engines start with --enable-memory-saver). Sync mode only."""
 
     def __post_init__(self):
-        _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests)
+        _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests,
+                  speculative_num_steps=self.speculative_num_steps)
 
 
 @dataclass
@@ -243,6 +259,9 @@ class TrainConfig:
     (compressed-tensors pack-quantized, servable by SGLang/vLLM)."""
     int4_group_size: int = 32
     """Input columns per INT4 scale (must divide hidden and moe_intermediate sizes)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP draft head's next-next-token loss (Megatron/Miles: --mtp-loss-scaling-factor).
+    The head reads detached hidden states, so this loss trains the head only, never the policy."""
     seed: int = 1234
     """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
     recompute_activations: bool = False
@@ -526,6 +545,9 @@ class RunConfig:
             if self.engine.type == "sglang" and self.engine.quantization != "fp8":
                 raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
                                   " engines too (engine.quantization=fp8)")
+        if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
+            raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
+                              " MTP head: set model.mtp_num_layers=1")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")

@@ -37,6 +37,9 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     ]
     if cfg.determinism.true_on_policy:
         argv.append("--true-on-policy")
+    argv += ["--mtp-num-layers", str(cfg.model.mtp_num_layers)]
+    if e.speculative_algorithm:
+        argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(e.speculative_num_steps)]
     return argv
 
 

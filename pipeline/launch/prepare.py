@@ -71,7 +71,8 @@ def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
 
     tok_dir = layout.model_init + ".tokenizer"
     tok = build_tiny_tokenizer(tok_dir)
-    args = tiny_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    args = tiny_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+                       mtp_layers=cfg.model.mtp_num_layers)
     torch.manual_seed(cfg.model.init_seed)
     model = Qwen3ForCausalLM(args)
     model.init_weights(cfg.model.init_seed)

@@ -36,6 +36,8 @@ class ModelArgs:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Multi-token prediction draft layers (Qwen3-Next's mtp_num_hidden_layers); 0 or 1.
+    mtp_num_hidden_layers: int = 0
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -47,6 +49,8 @@ class ModelArgs:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.mtp_num_hidden_layers not in (0, 1):
+            raise UserError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers}: Lockstep builds at most one MTP layer")
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise UserError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
@@ -119,6 +123,7 @@ class ModelArgs:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=cfg.get("pad_token_id"),
+            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0),
         )
         if model_type == "qwen3_moe":
             args.update(
@@ -171,6 +176,8 @@ class ModelArgs:
                 router_aux_loss_coef=0.0,
                 output_router_logits=False,
             )
+        if self.mtp_num_hidden_layers:
+            cfg["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
         for k, v in self.extra.items():
             cfg.setdefault(k, v)
         return cfg
@@ -180,12 +187,14 @@ class ModelArgs:
 _HF_DERIVED = {
     "architectures", "model_type", "hidden_act", "rope_parameters", "rope_scaling", "torch_dtype", "dtype",
     "attention_dropout", "use_sliding_window", "sliding_window", "max_window_layers", "use_cache",
-    "layer_types", "router_aux_loss_coef", "num_local_experts", "output_router_logits", "transformers_version",
+    "layer_types", "router_aux_loss_coef", "num_nextn_predict_layers", "num_local_experts", "output_router_logits", "transformers_version",
 }
 
 
-def tiny_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None) -> ModelArgs:
-    """Small architectures for the demo and tests (about 0.1M parameters; train in seconds on a CPU)."""
+def tiny_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
+                mtp_layers: int = 0) -> ModelArgs:
+    """Small architectures for the demo and tests (about 0.1M parameters; train in seconds on a CPU),
+    with `mtp_layers` MTP draft layers."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -199,6 +208,7 @@ def tiny_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pa
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=pad,
+        mtp_num_hidden_layers=mtp_layers,
     )
     if name == "tiny-dense":
         return ModelArgs(**common)

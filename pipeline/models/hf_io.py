@@ -6,6 +6,7 @@ transformers (and SGLang's loader) read back. Writes are atomic: a temp director
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -50,24 +51,44 @@ def read_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Build the model from an HF directory. Returns (args, model)."""
+MTP_PREFIX = "mtp."
+MTP_INIT_SEED = 0  # a draft head added to a checkpoint without one starts the same in every process
+
+
+def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               mtp_layers: int | None = None):
+    """Build the model from an HF directory. Returns (args, model).
+
+    mtp_layers: None builds what config.json says; 0 drops a checkpoint's MTP draft head; 1 keeps it,
+    or adds a freshly initialised one (seeded, so trainer and engines start equal) when it has none."""
     from pipeline.models.qwen3 import Qwen3ForCausalLM
 
     args = read_model_args(model_dir)
+    state = read_state_dict(model_dir)
+    fresh_mtp = False
+    if mtp_layers is not None and mtp_layers != args.mtp_num_hidden_layers:
+        fresh_mtp = mtp_layers > 0
+        args = dataclasses.replace(args, mtp_num_hidden_layers=mtp_layers)
+    if not args.mtp_num_hidden_layers or fresh_mtp:
+        state = {k: v for k, v in state.items() if not k.startswith(MTP_PREFIX)}
     with torch.device("meta"):
         model = Qwen3ForCausalLM(args)
     model = model.to_empty(device=device).to(dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    state = read_state_dict(model_dir)
-    load_state(model, state, source=model_dir)
+    if fresh_mtp:
+        model.init_weights(MTP_INIT_SEED, prefix=MTP_PREFIX)
+    load_state(model, state, source=model_dir, allow_missing=MTP_PREFIX if fresh_mtp else None)
     return args, model
 
 
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-    """Copy an HF-named state dict into the model; refuse missing or unexpected names."""
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint",
+               allow_missing: str | None = None) -> None:
+    """Copy an HF-named state dict into the model; refuse missing (except under the prefix
+    `allow_missing`) or unexpected names."""
     expected = set(model.state_dict().keys())
+    if allow_missing:
+        expected = {k for k in expected if not k.startswith(allow_missing)}
     if model.args.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         expected.discard("lm_head.weight")

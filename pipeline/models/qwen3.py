@@ -199,6 +199,10 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if args.mtp_num_hidden_layers:
+            from pipeline.models.mtp import MtpHead
+
+            self.mtp = MtpHead(args)
 
     def forward(
         self,
@@ -207,22 +211,45 @@ class Qwen3ForCausalLM(nn.Module):
         ctx: AttentionContext,
         routing: MoeRouting | None = None,
         logits_at_M: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Final hidden states [N, D]; or, with `logits_at_M`, logits [M, V] at those stream positions only."""
+        return_hidden: bool = False,
+        mtp_next_ids_N: torch.Tensor | None = None,
+        mtp_at_M: torch.Tensor | None = None,
+    ):
+        """Final hidden states [N, D]; or, with `logits_at_M`, logits [M, V] at those stream positions only.
+
+        return_hidden: also the last layer's output [N, D] before the final norm (what the MTP head reads).
+        mtp_next_ids_N / mtp_at_M (training): also the MTP head's logits at rows `mtp_at_M`, computed
+        from detached hidden states and detached embedding / LM-head weights, so its loss trains the
+        head alone. Extra results come back as a tuple (logits, hidden or MTP logits)."""
         x_ND = self.model.embed_tokens(input_ids_N)
         cos, sin = rope_cos_sin(positions_N, self.args.head_dim, self.args.rope_theta, x_ND.dtype)
         for layer in self.model.layers:
             x_ND = layer(x_ND, cos, sin, ctx, routing)
         if logits_at_M is None:
             return self.model.norm(x_ND)
-        return self.lm_head(self.model.norm(x_ND[logits_at_M]))
+        logits_MV = self.lm_head(self.model.norm(x_ND[logits_at_M]))
+        if mtp_next_ids_N is not None:
+            mtp_logits, _ = self.mtp(x_ND.detach(), mtp_next_ids_N, positions_N, ctx,
+                                     self.model.embed_tokens.weight.detach(), self.lm_head.weight.detach(), mtp_at_M)
+            return logits_MV, mtp_logits
+        if return_hidden:
+            return logits_MV, x_ND
+        return logits_MV
+
+    def draft(self, hidden_ND, next_ids_N, positions_N, ctx, at_M=None):
+        """The MTP head at inference (engine drafting): (logits at `at_M`, head hidden states)."""
+        return self.mtp(hidden_ND, next_ids_N, positions_N, ctx, self.model.embed_tokens.weight,
+                        self.lm_head.weight, at_M)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Hugging Face's initialisation: N(0, initializer_range) for linear/embedding, ones for norms."""
+    def init_weights(self, seed: int, prefix: str = "") -> None:
+        """Hugging Face's initialisation: N(0, initializer_range) for linear/embedding, ones for norms.
+        `prefix` limits it to the parameters under that name (e.g. "mtp." for a fresh draft head)."""
         gen = torch.Generator().manual_seed(seed)
         std = self.args.initializer_range
         for name, p in self.named_parameters():
+            if not name.startswith(prefix):
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):

@@ -36,6 +36,7 @@ class Generation:
     text: str = ""
     routed_experts: np.ndarray | None = None  # [prompt+response-1, moe_layers, top_k]
     engine_url: str = ""
+    spec_verify_ct: int = 0  # speculative decoding: verify forwards that produced this response
 
 
 def decode_routed_experts(b64: str, num_moe_layers: int, top_k: int) -> np.ndarray:
@@ -135,6 +136,7 @@ class EngineClient:
                 text=item.get("text", ""),
                 routed_experts=routed,
                 engine_url=self.url,
+                spec_verify_ct=int(meta.get("spec_verify_ct") or 0),
             ))
         return gens
 

@@ -261,6 +261,8 @@ class RolloutManager:
         status = FINISH_TO_STATUS.get(gen.finish_reason, "completed")
         meta = dict(g.prompt.metadata, draw=g.draw)
         meta["token_hash"] = token_hash(list(g.prompt.input_ids) + response)
+        if gen.spec_verify_ct:  # tokens after the prefill's first came from this many verify forwards
+            meta["spec"] = [len(gen.output_ids) - 1, gen.spec_verify_ct]
         reward, comps = 0.0, {}
         if status != "aborted":
             # The reward sees text; training sees the token ids exactly as generated (TITO).
@@ -315,6 +317,7 @@ class RolloutManager:
             "rollout/weight_version_min": int(batch.weight_version.min()) if len(batch) else 0,
             **{f"rollout/tito_{kind}_frac": sum(kind in s.metadata.get("tito", ()) for s in samples) / n
                for kind in ("retokenize_drift", "alternate_eos", "special_token_in_response")},
+            **spec_summary(samples),
         }
 
 
@@ -326,3 +329,10 @@ def main(run_dir: str, producer_rank: int = 0, num_producers: int = 1) -> None:
     finally:
         if manager.router is not None:
             manager.router.stop()
+
+
+def spec_summary(samples: list[Sample]) -> dict:
+    """Speculative decoding: decoded tokens per verify forward (1.0 = no draft accepted)."""
+    spec = [s.metadata["spec"] for s in samples if "spec" in s.metadata]
+    rounds = sum(v for _, v in spec)
+    return {"rollout/spec_accept_length": sum(t for t, _ in spec) / rounds} if rounds else {}

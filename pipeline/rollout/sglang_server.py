@@ -63,6 +63,10 @@ def server_argv(cfg: RunConfig, model_path: str, host: str, port: int, api_key: 
         argv += ["--kv-cache-dtype", e.kv_cache_dtype]
     if e.chunked_prefill_size:
         argv += ["--chunked-prefill-size", str(e.chunked_prefill_size)]
+    if e.speculative_algorithm:  # the MTP head in the checkpoint drafts (SGLang loads it as the draft model)
+        k = e.speculative_num_steps
+        argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(k),
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
     if e.colocated:
         argv += ["--enable-memory-saver"]  # lets /release_memory_occupation hand the GPU to the trainer
     return argv + list(e.extra_args)

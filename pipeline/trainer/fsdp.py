@@ -9,6 +9,7 @@ weights are cast, so true on-policy mode sees the same numbers on both sides.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -20,8 +21,19 @@ from torch.distributed.tensor import DTensor
 from pipeline.config.schema import RunConfig
 from pipeline.models.hf_io import load_model
 from pipeline.models.logprobs import entropy, token_logprobs
+from pipeline.models.mtp import mtp_inputs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
 from pipeline.trainer.batching import MicroBatch
+
+
+@dataclass
+class MtpScores:
+    """The MTP head on a micro-batch's response tokens [M]: logprob of each token (at the rollout
+    temperature), whether its top guess was that token, and which tokens it is trained on."""
+
+    logp_M: torch.Tensor
+    hit_M: torch.Tensor
+    mask_M: torch.Tensor
 
 
 def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> float:
@@ -69,7 +81,7 @@ class FSDPBackend:
         self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.world = dist.get_world_size()
         self.mesh = init_device_mesh(device.type, (self.world,))
-        self.args, model = load_model(model_dir, dtype=torch.float32, device=device)
+        self.args, model = load_model(model_dir, dtype=torch.float32, device=device, mtp_layers=cfg.model.mtp_num_layers)
         if cfg.train.int4_qat:
             from pipeline.errors import ConfigError
             from pipeline.models.qat import enable_int4_qat
@@ -93,7 +105,7 @@ class FSDPBackend:
             self.critic, self.critic_optimizer = self.build_critic(model_dir)
         self.ref_model = None
         if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
-            _, ref = load_model(model_dir, dtype=torch.float32, device=device)
+            _, ref = load_model(model_dir, dtype=torch.float32, device=device, mtp_layers=0)
             ref.requires_grad_(False)
             self.ref_model = shard(ref, self.mesh, self.compute_dtype)
 
@@ -102,7 +114,7 @@ class FSDPBackend:
         value head, zero-initialised, in place of the LM head. It is trained, never exported."""
         from pipeline.models.qwen3 import Linear
 
-        _, critic = load_model(model_dir, dtype=torch.float32, device=self.device)
+        _, critic = load_model(model_dir, dtype=torch.float32, device=self.device, mtp_layers=0)
         critic.lm_head = Linear(self.args.hidden_size, 1, bias=True).to(self.device)
         torch.nn.init.zeros_(critic.lm_head.weight)
         torch.nn.init.zeros_(critic.lm_head.bias)
@@ -117,14 +129,28 @@ class FSDPBackend:
         return self.critic(mb.input_ids_N, mb.positions_N, mb.attn, None, logits_at_M=mb.score_pos_M)[:, 0].float()
 
     # ---- forward ---------------------------------------------------------------------------------
-    def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False):
-        """Per-token logprobs [M] of the micro-batch's response tokens (and the MoE routing state)."""
+    def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False,
+                 want_mtp: bool = False):
+        """Per-token logprobs [M] of the micro-batch's response tokens (and the MoE routing state).
+
+        want_mtp (a policy with an MTP head): also the head's MtpScores for the same tokens, from the
+        same forward."""
         model = model or self.model
         routing = MoeRouting(trace_NLk=mb.trace_NLk, replay=replay) if self.args.is_moe else None
-        logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing, logits_at_M=mb.score_pos_M)
         temp = self.cfg.rollout.rollout_temperature
+        mtp = None
+        if want_mtp:
+            next_ids_N, at_M, valid_M = mtp_inputs(mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M)
+            logits_MV, mtp_logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing,
+                                             logits_at_M=mb.score_pos_M, mtp_next_ids_N=next_ids_N, mtp_at_M=at_M)
+            mtp = MtpScores(token_logprobs(mtp_logits_MV, mb.targets_M, temp),
+                            (mtp_logits_MV.argmax(-1) == mb.targets_M).float(), valid_M.float() * mb.mask_M)
+        else:
+            logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing, logits_at_M=mb.score_pos_M)
         logp_M = token_logprobs(logits_MV, mb.targets_M, temp)
         ent_M = entropy(logits_MV, temp) if want_entropy else None
+        if want_mtp:
+            return logp_M, ent_M, routing, mtp
         return logp_M, ent_M, routing
 
     @torch.no_grad()

@@ -275,7 +275,9 @@ class Trainer:
     def train_micro_batch(self, mb: MicroBatch, targets: dict, counts: dict, sums: dict, maxes: dict) -> None:
         """Forward, loss, backward of one micro-batch (policy, and the critic under PPO)."""
         cfg, b, a = self.cfg, self.backend, self.cfg.algo
-        logp_M, ent_M, routing = b.logprobs(mb, replay=cfg.determinism.routing_replay, want_entropy=a.entropy_coef > 0)
+        want_mtp = bool(b.args.mtp_num_hidden_layers) and cfg.train.mtp_loss_scaling_factor > 0
+        logp_M, ent_M, routing, *mtp = b.logprobs(mb, replay=cfg.determinism.routing_replay,
+                                                  want_entropy=a.entropy_coef > 0, want_mtp=want_mtp)
         old_M = targets["old"]
         if old_M is None:  # one update per rollout: this forward is the pre-update one
             old_M = logp_M.detach()
@@ -300,6 +302,14 @@ class Trainer:
             v_loss, vm = value_loss(b.values(mb), targets["old_values"], targets["returns"], scale_M, a.eps_clip_value)
             loss = loss + a.value_loss_coef * v_loss
             m.update(vm)
+        if mtp:
+            # The draft head learns the next-next token of the same sequences; its share is scaled like
+            # the policy loss (per token of the global batch), and its inputs are detached.
+            s = mtp[0]
+            mtp_nll = -(s.logp_M * s.mask_M).sum() / max(counts["tokens"], 1.0)
+            loss = loss + cfg.train.mtp_loss_scaling_factor * mtp_nll * mb.weight
+            m.update(mtp_nll_sum=(-(s.logp_M * s.mask_M).sum()).detach(), mtp_hit_sum=(s.hit_M * s.mask_M).sum(),
+                     mtp_tokens_sum=s.mask_M.sum())
         if faults.in_range("nan_grad_steps", self.step):
             loss = loss * float("nan")  # fault injection
         (loss * self.world).backward()  # FSDP averages gradients over ranks; undo that
@@ -350,6 +360,9 @@ class Trainer:
             out["train/is_truncated_frac"] = totals["is_truncated_sum"] / n
         if "entropy_sum" in totals:
             out["train/entropy"] = totals["entropy_sum"] / n
+        if totals.get("mtp_tokens_sum"):  # the draft head: loss, and how often its top guess is right
+            out["train/mtp_loss"] = totals["mtp_nll_sum"] / totals["mtp_tokens_sum"]
+            out["train/mtp_acc"] = totals["mtp_hit_sum"] / totals["mtp_tokens_sum"]
         out.update(mx)
         if self.cfg.determinism.true_on_policy and out["train/rollout_logprob_max_abs_diff"] != 0.0:
             raise RuntimeError(
@@ -363,6 +376,9 @@ class Trainer:
         state = self.backend.full_state(dtype)
         if self.rank == 0 and self.cfg.train.int4_qat:  # engines serve the INT4 values the trainer used
             state = int4_values(state, self.cfg.train.int4_group_size, int4_scale_dtype(self.cfg))
+        if self.rank == 0 and self.cfg.engine.type == "sglang" and self.backend.args.mtp_num_hidden_layers:
+            # SGLang's target model skips mtp.* names; its draft worker keeps the checkpoint's head
+            state = ((k, v) for k, v in state if not k.startswith("mtp."))
         if self.rank == 0 and self.cfg.weights.quantization == "fp8":
             state = fp8_stream(state)
         if self.rank == 0:

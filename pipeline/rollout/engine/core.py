@@ -65,6 +65,10 @@ class Request:
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     abort_requested: bool = False
+    spec_hidden: torch.Tensor | None = None  # speculative decoding: target hidden states the draft head has not seen
+    spec_start: int = 0  # position of spec_hidden's first row
+    spec_verify_ct: int = 0  # verify rounds (SGLang's meta_info spec_verify_ct)
+    spec_accepted: int = 0  # drafted tokens accepted
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +91,7 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         max_prefill_tokens: int = 16384,
+        speculative_num_steps: int = 0,
     ):
         self.model = model.eval()
         self.args: ModelArgs = model.args
@@ -106,6 +111,11 @@ class Engine:
         self.error: str | None = None  # set when the scheduler died
         self.released: set[str] = set()  # "weights" / "kv_cache" while their memory is given back
         self.weights_valid = True  # False after a release, until the next weight update
+        self.spec = None
+        if speculative_num_steps > 0:
+            from pipeline.rollout.engine.speculative import SpecDecoder
+
+            self.spec = SpecDecoder(self, speculative_num_steps)
 
     # ---- client side -------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -184,7 +194,7 @@ class Engine:
             if admit:
                 self._prefill(admit)
             elif self.running:
-                self._decode()
+                self.spec.decode() if self.spec else self._decode()
             self.stats["steps"] += 1
 
     def _admit(self) -> list[Request]:
@@ -206,12 +216,16 @@ class Engine:
             if self.running[i].abort_requested:
                 self._finish_running(i, {"type": "abort"})
 
-    def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor):
-        """Logits [B, V] at `logits_at` (each sequence's last new token), and the routing record."""
+    def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor,
+                 return_hidden: bool = False):
+        """Logits [B, V] at `logits_at` (each sequence's last new token), the routing record, and with
+        return_hidden the last layer's hidden states [N, D] (what the MTP draft head reads)."""
         routing = MoeRouting(record=True) if (record and self.args.is_moe) else None
         ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits_BV = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at)
-        return logits_BV, routing
+        out = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at, return_hidden=return_hidden)
+        if return_hidden:
+            return out[0], routing, out[1]
+        return out, routing
 
     def _prefill(self, admit: list[Request]) -> None:
         base = len(self.running)
@@ -221,7 +235,11 @@ class Engine:
         record = any(r.return_routed_experts for r in admit)
         ends = torch.cumsum(torch.tensor([len(s) for s in seqs], device=self.device), 0) - 1
         self.running.extend(admit)  # before the forward: if it fails, these are finished with the error
-        logits, routing = self._forward([t for s in seqs for t in s], ctx, record, ends)
+        if self.spec:
+            logits, routing, hidden = self._forward([t for s in seqs for t in s], ctx, record, ends, return_hidden=True)
+            self.spec.after_prefill(admit, [len(s) for s in seqs], hidden)
+        else:
+            logits, routing = self._forward([t for s in seqs for t in s], ctx, record, ends)
         for r in admit:
             r.weight_version = r.weight_version or self.weight_version
         self._keep_routing(admit, [len(s) for s in seqs], routing)
@@ -281,12 +299,15 @@ class Engine:
         if slot != last:
             moved = self.running[last]
             self.cache.move(last, slot, moved.num_tokens)
+            if self.spec:
+                self.spec.move(last, slot, moved.num_tokens)
             self.running[slot] = moved
         self.running.pop()
         self._finish(req, reason)
 
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
+        req.spec_hidden = None
         req.weight_version = req.weight_version or self.weight_version
         self.stats["finished"] += 1
         req.done.set()
@@ -316,7 +337,7 @@ class Engine:
             self.paused = True
         with self.model_lock:
             if "kv_cache" in tags and "kv_cache" not in self.released:
-                for t in self.cache.k + self.cache.v:
+                for t in self._cache_tensors():
                     t.untyped_storage().resize_(0)
                 self.released.add("kv_cache")
             if "weights" in tags and "weights" not in self.released:
@@ -332,7 +353,7 @@ class Engine:
         tags = list(tags or ("weights", "kv_cache"))
         with self.model_lock:
             if "kv_cache" in tags and "kv_cache" in self.released:
-                for t in self.cache.k + self.cache.v:
+                for t in self._cache_tensors():
                     t.untyped_storage().resize_(t.numel() * t.element_size())
                     t.zero_()
                 self.released.discard("kv_cache")
@@ -341,6 +362,10 @@ class Engine:
                 self.weights_valid = False
         if not self.released:
             self.resume()
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        caches = [self.cache] + ([self.spec.cache] if self.spec else [])
+        return [t for c in caches for t in c.k + c.v]
 
     def _resume_weights(self) -> None:
         for p in self.model.parameters():

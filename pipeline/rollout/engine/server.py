@@ -55,6 +55,9 @@ def build_response(req: Request, return_logprob: bool, return_routed: bool, toke
         "weight_version": req.weight_version,
         "e2e_latency": time.monotonic() - req.submitted,
     }
+    if req.spec_verify_ct:  # speculative decoding (SGLang's names)
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        meta["spec_accept_length"] = (len(req.output_ids) - 1) / req.spec_verify_ct  # tokens per verify forward
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.output_logprobs, req.output_ids)]
     if return_routed:
@@ -140,7 +143,7 @@ class EngineServer:
             return HTTPStatus.OK, {"model_path": self.model_path, "max_running_requests": e.max_running,
                                    "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
                                    "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
-                                   "paused": e.paused,
+                                   "paused": e.paused, **(e.spec.stats() if e.spec else {}),
                                    "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
         if path == "/get_weight_version":
             return HTTPStatus.OK, {"weight_version": e.weight_version}
@@ -280,20 +283,27 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving (rendezvous)")
     p.add_argument("--true-on-policy", action="store_true", help="batch-invariant kernels")
+    p.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="MTP draft layers to build (default: as config.json; 1 adds a fresh head if it has none)")
+    p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN", "EAGLE"],
+                   help="draft with the MTP head and verify (SGLang's flag)")
+    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per verify step")
     p.add_argument("--allow-all-interfaces", action="store_true", help="permit --host 0.0.0.0")
     return p.parse_args(argv)
 
 
-def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int):
+def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
+                 mtp_layers: int | None = None, speculative_num_steps: int = 0):
     from pipeline.models.hf_io import load_model
     from pipeline.models.tokenizer import load_tokenizer
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tdtype = getattr(torch, dtype)
-    _, model = load_model(model_path, dtype=tdtype, device=dev)
+    _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers)
     tokenizer = load_tokenizer(model_path)
     engine = Engine(model, max_running=max_running, context_length=context_length,
-                    eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype)
+                    eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
+                    speculative_num_steps=speculative_num_steps)
     return engine, tokenizer
 
 
@@ -302,7 +312,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,
-                                     max_running=args.max_running_requests, context_length=args.context_length)
+                                     max_running=args.max_running_requests, context_length=args.context_length,
+                                     mtp_layers=args.mtp_num_layers,
+                                     speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0)
     if args.true_on_policy:
         from kernels import enable_batch_invariant_mode
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import torch_ref
 from kernels.dispatch import use_triton
+
+_FEW_QUERIES = 16
+_SDPA_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _bi() -> bool:
@@ -84,6 +88,14 @@ def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
     if not _bi():
         h, g, t = q_BHQD.shape[1], k_BGTD.shape[1], k_BGTD.shape[2]
         mask_BQT = torch.arange(t, device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
+        if q_BHQD.is_cuda and q_BHQD.shape[2] <= _FEW_QUERIES:
+            # Decode and verify steps: not cuDNN, which builds an execution plan per new shape (~2 ms of
+            # CPU per call) and decode meets a new key length every step (57% of a 113 ms decode step,
+            # bench/profile_decode.py). Long queries (training, prefill) keep it: there it is the fastest
+            # (excluding it everywhere took a 0.5B training step from 236 to 632 ms).
+            with sdpa_kernel(_SDPA_NO_CUDNN):
+                return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None],
+                                                      enable_gqa=h != g)
         return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
     if use_triton(q_BHQD):
         from kernels.gpu.attention import bi_attention

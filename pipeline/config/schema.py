@@ -220,8 +220,17 @@ EngineConfig = LocalEngineConfig | SglangEngineConfig
 
 @dataclass
 class TrainConfig:
-    backend: Literal["fsdp"] = "fsdp"
-    """Training backend: FSDP2 (torch.distributed.fsdp.fully_shard)."""
+    backend: Literal["fsdp", "megatron"] = "fsdp"
+    """Training backend: fsdp = FSDP2 (torch.distributed.fsdp.fully_shard); megatron = megatron-core's
+    GPTModel with tensor / expert parallelism (`pip install megatron-core`)."""
+    tensor_model_parallel_size: int = 1
+    """megatron: ranks that split each layer's weights (Miles: --tensor-model-parallel-size)."""
+    expert_model_parallel_size: int = 1
+    """megatron: ranks that split the MoE experts (Miles: --expert-model-parallel-size)."""
+    pipeline_model_parallel_size: int = 1
+    """megatron: pipeline stages (Miles: --pipeline-model-parallel-size); only 1 is built so far."""
+    sequence_parallel: bool = False
+    """megatron: sequence parallelism in the TP group (Miles: --sequence-parallel); needs Transformer Engine."""
     num_gpus: int = 1
     """Trainer ranks (GPUs, or gloo processes on CPU) (Miles: --actor-num-gpus-per-node x nodes)."""
     global_batch_size: int = 256
@@ -278,7 +287,16 @@ class TrainConfig:
             global_batch_size=self.global_batch_size,
             max_tokens_per_gpu=self.max_tokens_per_gpu,
             lr=self.lr,
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
         )
+        parallel = (self.tensor_model_parallel_size, self.expert_model_parallel_size,
+                    self.pipeline_model_parallel_size, self.sequence_parallel)
+        if self.backend == "fsdp" and parallel != (1, 1, 1, False):
+            raise ConfigError("tensor/expert/pipeline/sequence parallelism are megatron options: set train.backend=megatron")
+        if self.mtp_loss_scaling_factor < 0:
+            raise ConfigError(f"train.mtp_loss_scaling_factor must be >= 0 (got {self.mtp_loss_scaling_factor})")
         if self.clip_grad < 0:
             raise ConfigError(f"train.clip_grad must be >= 0 (got {self.clip_grad})")
 
@@ -545,6 +563,10 @@ class RunConfig:
             if self.engine.type == "sglang" and self.engine.quantization != "fp8":
                 raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
                                   " engines too (engine.quantization=fp8)")
+        if t.backend == "megatron":
+            from pipeline.trainer.megatron.backend import check_config
+
+            check_config(self)
         if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
             raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
                               " MTP head: set model.mtp_num_layers=1")

@@ -80,6 +80,8 @@ class FSDPBackend:
         self.cfg, self.device = cfg, device
         self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.world = dist.get_world_size()
+        self.dp_rank, self.dp_size, self.dp_group = dist.get_rank(), self.world, None  # every rank is data parallel
+        self.loss_scale = float(self.world)  # FSDP averages gradients over ranks; the loss is a sum of shares
         self.mesh = init_device_mesh(device.type, (self.world,))
         self.args, model = load_model(model_dir, dtype=torch.float32, device=device, mtp_layers=cfg.model.mtp_num_layers)
         if cfg.train.int4_qat:

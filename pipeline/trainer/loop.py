@@ -47,10 +47,18 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def all_reduce(values: list[float], device, op=dist.ReduceOp.SUM) -> list[float]:
+def all_reduce(values: list[float], device, op=dist.ReduceOp.SUM, group=None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+def make_backend(cfg: RunConfig, model_dir: str, device: torch.device):
+    if cfg.train.backend == "megatron":
+        from pipeline.trainer.megatron.backend import MegatronBackend
+
+        return MegatronBackend(cfg, model_dir, device)
+    return FSDPBackend(cfg, model_dir, device)
 
 
 class Trainer:
@@ -58,7 +66,9 @@ class Trainer:
         self.cfg, self.layout = cfg, RunLayout(run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
-        self.backend = FSDPBackend(cfg, self.layout.model_dir(cfg), self.device)
+        self.backend = make_backend(cfg, self.layout.model_dir(cfg), self.device)
+        # Ranks of one tensor-parallel group (megatron) read the same data; sums of data run over DP.
+        self.dp_rank, self.dp_size, self.dp_group = self.backend.dp_rank, self.backend.dp_size, self.backend.dp_group
         self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
                                    on_corrupt=cfg.buffer.on_corrupt)
         self.sender: BroadcastSender | None = None
@@ -214,7 +224,7 @@ class Trainer:
                            ) -> list[tuple[list[int], float]]:
         """This rank's micro-batches as (sample indices, weight). Ranks agree on the count: a rank with
         fewer runs extra weight-0 micro-batches, so FSDP's collectives pair up."""
-        mine = balance_across_ranks(lengths, self.world)[self.rank]
+        mine = balance_across_ranks(lengths, self.dp_size)[self.dp_rank]
         bins = pack_micro_batches([lengths[i] for i in mine], budget or self.cfg.train.max_tokens_per_gpu)
         plan = [([int(indices[mine[i]]) for i in bin_], 1.0) for bin_ in bins]
         (n,) = all_reduce([len(plan)], self.device, op=dist.ReduceOp.MAX)
@@ -230,13 +240,13 @@ class Trainer:
         return None if arr is None else torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
 
     def global_moments(self, *values: float) -> tuple[float, ...]:
-        return tuple(all_reduce(list(values), self.device))
+        return tuple(all_reduce(list(values), self.device, group=self.dp_group))
 
     def global_counts(self, batch: RolloutBatch, plan) -> dict:
         tokens = sum(w * float(batch.loss_mask[batch.response_slice(i)].sum()) for mb, w in plan for i in mb)
         samples = sum(w * len(mb) for mb, w in plan)
         longest = max((int(batch.response_len[i]) for mb, w in plan if w for i in mb), default=0)
-        tokens, samples = all_reduce([tokens, samples], self.device)
+        tokens, samples = all_reduce([tokens, samples], self.device, group=self.dp_group)
         (longest,) = all_reduce([longest], self.device, op=dist.ReduceOp.MAX)
         return {"tokens": tokens, "samples": samples, "max_len": int(max(longest, self.cfg.rollout.rollout_max_response_len
                                                                           if self.cfg.algo.loss_reduction == "seq_mean_token_sum" else longest))}
@@ -312,7 +322,7 @@ class Trainer:
                      mtp_tokens_sum=s.mask_M.sum())
         if faults.in_range("nan_grad_steps", self.step):
             loss = loss * float("nan")  # fault injection
-        (loss * self.world).backward()  # FSDP averages gradients over ranks; undo that
+        (loss * b.loss_scale).backward()  # FSDP averages gradients over ranks: loss_scale undoes that
         diff_M = (old_M - mb.rollout_logp_M).abs() * mb.mask_M * mb.weight
         m = {k: float(v) * mb.weight for k, v in {**m, **is_metrics}.items() if k.endswith("_sum")}
         m.update(loss_sum=float(loss.detach()), logprob_abs_diff_sum=float(diff_M.sum()),
@@ -332,7 +342,7 @@ class Trainer:
 
     def reduce_metrics(self, sums: dict, maxes: dict, grad_norms: list[float], skipped: int) -> dict:
         keys = sorted(sums)
-        totals = dict(zip(keys, all_reduce([sums[k] for k in keys], self.device)))
+        totals = dict(zip(keys, all_reduce([sums[k] for k in keys], self.device, group=self.dp_group)))
         mx = dict(zip(maxes, all_reduce(list(maxes.values()), self.device, op=dist.ReduceOp.MAX)))
         n = max(totals.get("tokens_sum", 0.0), 1.0)
         out = {

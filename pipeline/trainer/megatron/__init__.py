@@ -1,0 +1,1 @@
+"""The megatron-core training backend (train.backend: megatron): TP / EP / sequence parallel."""

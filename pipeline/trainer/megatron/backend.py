@@ -1,0 +1,273 @@
+"""The megatron-core training backend: GPTModel with tensor and expert parallelism.
+
+Same interface as the FSDP2 backend (pipeline/trainer/fsdp.py), so the trainer loop, losses and data
+path are shared: `logprobs` on a packed micro-batch, `optimizer_step`, `full_state` in HF names.
+
+Parallel layout: WORLD = TP x DP ranks (train.tensor_model_parallel_size); MoE experts are further
+split over EP ranks inside DP (train.expert_model_parallel_size). The ranks of one TP group read the
+same micro-batches (`dp_rank` / `dp_size` say which data a rank takes). Gradients of dense weights
+are summed over the data-parallel group, those of experts over the expert-data-parallel group
+(megatron's groups). The optimizer is torch AdamW on each rank's shards (megatron's distributed
+optimizer needs CUDA); the gradient norm is the global one over all shards.
+
+Weights come from the HF checkpoint (convert.to_megatron) and go back out through convert.to_hf
+after gathering TP shards and EP experts. R3 replays the engine's experts through megatron's own
+RouterReplay. Checkpoints are torch DCP, one model/optimizer namespace per (tp, ep) rank: resume with
+the same layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.config.schema import RunConfig
+from pipeline.errors import ConfigError
+from pipeline.models.hf_io import read_model_args, read_state_dict
+from pipeline.models.logprobs import entropy, token_logprobs
+from pipeline.trainer.batching import MicroBatch
+
+
+class RankNamed(nn.Module):
+    """Holds the rank's GPTModel under a name unique to its (tp, ep) coordinates, so DCP checkpoints
+    (keyed by parameter name) keep every rank's shards apart instead of deduplicating them."""
+
+    def __init__(self, gpt: nn.Module, name: str):
+        super().__init__()
+        self.key = name
+        setattr(self, name, gpt)
+
+    @property
+    def gpt(self) -> nn.Module:
+        return getattr(self, self.key)
+
+    def forward(self, *args, **kwargs):
+        return self.gpt(*args, **kwargs)
+
+
+def check_config(cfg: RunConfig) -> None:
+    t = cfg.train
+    refuse = {
+        "algo.advantage_estimator=ppo (a critic)": cfg.algo.advantage_estimator == "ppo",
+        "train.int4_qat": t.int4_qat,
+        "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
+        "determinism.true_on_policy (megatron's linear layers are not batch invariant)": cfg.determinism.true_on_policy,
+        "train.recompute_activations": t.recompute_activations,
+        "train.pipeline_model_parallel_size > 1 (pipeline parallelism is not built yet)": t.pipeline_model_parallel_size > 1,
+    }
+    bad = [k for k, v in refuse.items() if v]
+    if bad:
+        raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)} yet: use train.backend=fsdp")
+    mp = t.tensor_model_parallel_size
+    if t.num_gpus % mp:
+        raise ConfigError(f"train.num_gpus ({t.num_gpus}) must be divisible by train.tensor_model_parallel_size ({mp})")
+    dp = t.num_gpus // mp
+    if dp % t.expert_model_parallel_size:
+        raise ConfigError(f"train.expert_model_parallel_size ({t.expert_model_parallel_size}) must divide the data"
+                          f" parallel size num_gpus / tensor_model_parallel_size ({dp})")
+
+
+class MegatronBackend:
+    def __init__(self, cfg: RunConfig, model_dir: str, device: torch.device):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from pipeline.trainer.fsdp import lr_factor
+        from pipeline.trainer.megatron import convert
+        from pipeline.trainer.megatron.model import build_gpt, transformer_config
+
+        check_config(cfg)
+        if device.type == "cpu":
+            from pipeline.trainer.megatron.cpu_compat import install
+
+            install()
+        t = cfg.train
+        self.cfg, self.device = cfg, device
+        self.compute_dtype = getattr(torch, cfg.model.dtype)
+        self.tp, self.ep = t.tensor_model_parallel_size, t.expert_model_parallel_size
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(self.tp, 1, expert_model_parallel_size=self.ep)
+            model_parallel_cuda_manual_seed(t.seed)
+        self.ps = ps
+        self.tp_rank, self.ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+        self.args = read_model_args(model_dir)
+        try:
+            convert.check_parallel(self.args, self.tp, self.ep)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        use_te = device.type == "cuda" and _has_te()
+        if t.sequence_parallel and not use_te:
+            raise ConfigError("train.sequence_parallel needs Transformer Engine's layer spec (megatron's local"
+                              " RMSNorm does not support it)")
+        config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
+                                    dtype=self.compute_dtype, on_cpu=device.type == "cpu",
+                                    routing_replay=self.args.is_moe and cfg.determinism.routing_replay)
+        hf = read_state_dict(model_dir)
+        self.model = self.build(build_gpt(self.args, config, use_te), hf)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                                           weight_decay=t.weight_decay, eps=t.adam_eps)
+        total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, t.lr_warmup_steps, total, t.lr_decay_style, t.min_lr / t.lr))
+        self.critic = None
+        self.ref_model = None
+        if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
+            self.ref_model = self.build(build_gpt(self.args, config, use_te), hf).requires_grad_(False)
+        self.loss_scale = 1.0  # gradients are summed over data-parallel ranks here (FSDP averages)
+
+    def build(self, gpt: nn.Module, hf: dict[str, torch.Tensor]) -> RankNamed:
+        from pipeline.trainer.megatron.convert import to_megatron
+
+        shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep)
+        missing, unexpected = gpt.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        assert not missing and not unexpected, (missing, unexpected)
+        return RankNamed(gpt.to(self.device), f"tp{self.tp_rank}_ep{self.ep_rank}")
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False,
+                 want_mtp: bool = False):
+        from pipeline.trainer.megatron.model import logits_at
+
+        model = model or self.model
+        if want_mtp:
+            raise ConfigError("the megatron backend has no MTP head")
+        if self.args.is_moe and self.cfg.determinism.routing_replay:
+            self.set_replay(model, mb if replay and mb.trace_NLk is not None else None)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            logits_MV = logits_at(model, mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M)
+        temp = self.cfg.rollout.rollout_temperature
+        logp_M = token_logprobs(logits_MV, mb.targets_M, temp)
+        ent_M = entropy(logits_MV, temp) if want_entropy else None
+        return logp_M, ent_M, None
+
+    def set_replay(self, model: nn.Module, mb: MicroBatch | None) -> None:
+        """R3: give `model`'s routers the engine's experts (None: route live again), in the order its
+        MoE layers see tokens ([T, B] of the padded batch, flattened). Padding tokens, and tokens the
+        engine left untraced, are sent to experts 0..k-1 (padding is never scored)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        from pipeline.trainer.megatron.model import padded_batch
+
+        replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+        if mb is None:
+            for r in replays:
+                r.clear_indices()
+                r.clear_router_replay_action()
+            return
+
+        ids, _, _, (seq, pos) = padded_batch(mb.input_ids_N, mb.attn.cu_seqlens)
+        b, t = ids.shape
+        trace = mb.trace_NLk.long()
+        k = trace.shape[-1]
+        grid = torch.arange(k, device=trace.device).expand(t, b, trace.shape[1], k).clone()
+        known = (trace >= 0).all(-1)  # [N, L]
+        filled = torch.where(known[..., None], trace, grid[0, 0])
+        grid[pos, seq] = filled
+        assert len(replays) == trace.shape[1], (len(replays), tuple(trace.shape))
+        for i, r in enumerate(replays):
+            r.clear_indices()
+            r.set_target_indices(grid[:, :, i].reshape(t * b, k))
+            r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    @torch.no_grad()
+    def ref_logprobs(self, mb: MicroBatch, replay: bool = False) -> torch.Tensor:
+        return self.logprobs(mb, model=self.ref_model, replay=replay)[0]
+
+    # ---- optimizer --------------------------------------------------------------------------------
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Sum gradients over the data-parallel groups, clip by the global norm, step, zero."""
+        ps = self.ps
+        expert_group = ps.get_expert_data_parallel_group()
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.tp > 1 and tp_partial_grad(name, p):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            expert = ".experts." in name
+            group, size = (expert_group, ps.get_expert_data_parallel_world_size()) if expert else (self.dp_group, self.dp_size)
+            if size > 1:
+                dist.all_reduce(p.grad, group=group)
+        norm = math.sqrt(self.global_grad_sq())
+        clip = self.cfg.train.clip_grad
+        stepped = math.isfinite(norm)
+        if stepped:
+            if clip > 0 and norm > clip:
+                for p in self.model.parameters():
+                    p.grad.mul_(clip / (norm + 1e-6))
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, stepped
+
+    def global_grad_sq(self) -> float:
+        """Sum of squared gradients over the whole model: each shard counted once (TP-replicated
+        weights on TP rank 0, data-parallel copies on their group's rank 0)."""
+        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+        ps = self.ps
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.model.named_parameters():
+            expert = ".experts." in name
+            first_copy = (ps.get_expert_data_parallel_rank() if expert else self.dp_rank) == 0
+            if first_copy and param_is_not_tensor_parallel_duplicate(p):
+                total += p.grad.double().pow(2).sum()
+        dist.all_reduce(total)
+        return float(total)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---- weights out -------------------------------------------------------------------------------
+    def full_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor), on every rank. Collective: TP shards are gathered over the TP group,
+        experts over the EP group, then converted."""
+        from pipeline.trainer.megatron.convert import to_hf
+
+        ps = self.ps
+        tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
+        mine = {k: v.detach() for k, v in self.model.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        by_tp = [dict() for _ in range(self.tp)]
+        for name, t in mine.items():
+            parts = [torch.empty_like(t) for _ in range(self.tp)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            for r in range(self.tp):
+                by_tp[r][name] = parts[r]
+        shards = [by_tp]
+        if self.ep > 1:
+            shards = [[dict(s) for s in by_tp] for _ in range(self.ep)]
+            for name in mine:
+                if ".experts." not in name:
+                    continue
+                for r in range(self.tp):
+                    parts = [torch.empty_like(by_tp[r][name]) for _ in range(self.ep)]
+                    dist.all_gather(parts, by_tp[r][name].contiguous(), group=ep_group)
+                    for e in range(self.ep):
+                        shards[e][r][name] = parts[e]
+        hf = to_hf(shards, self.args)
+        for name, t in hf.items():
+            if self.args.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            yield name, t.to(dtype or t.dtype)
+
+
+def tp_partial_grad(name: str, p: torch.Tensor) -> bool:
+    """Replicated weights that each TP rank sees only part of the input of: q/k norms (applied to the
+    rank's own heads) and, with sequence parallelism, every norm (the rank's own tokens). Their
+    gradients are summed over the TP group (megatron's finalize_model_grads does the same)."""
+    return "q_layernorm" in name or "k_layernorm" in name or bool(getattr(p, "sequence_parallel", False))
+
+
+def _has_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True

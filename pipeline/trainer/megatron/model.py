@@ -1,0 +1,91 @@
+"""megatron-core's GPTModel for the Qwen3 / Qwen3-MoE families, and a forward on our micro-batches.
+
+`transformer_config` maps ModelArgs onto TransformerConfig (RMSNorm, SwiGLU, q/k norm, GQA, RoPE
+without interleave, no biases; MoE: softmax router over top-k as Qwen3-MoE, no aux loss). The layer
+spec is megatron's local spec, or Transformer Engine's when it imports and the model is on a GPU.
+`logits_at` runs a packed micro-batch (pipeline.trainer.batching.MicroBatch) as a padded [B, T]
+batch with a causal+padding mask and returns the logits at the scored positions.
+
+Legend: B sequences, T padded length, N packed tokens, M scored positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.models.config import ModelArgs
+
+
+def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: bool, dtype: torch.dtype,
+                       on_cpu: bool, routing_replay: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = {}
+    if args.is_moe:
+        if args.mlp_only_layers or args.decoder_sparse_step != 1:
+            raise ValueError("the megatron backend runs Qwen3-MoE models whose every layer is MoE")
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.num_experts_per_tok,
+                   moe_ffn_hidden_size=args.moe_intermediate_size, moe_router_load_balancing_type="none",
+                   moe_aux_loss_coeff=0.0, moe_router_pre_softmax=not args.norm_topk_prob,
+                   # alltoall on GPUs; its split sizes stay tensors on CPU, which gloo refuses
+                   moe_token_dispatcher_type="alltoall" if ep > 1 and not on_cpu else "allgather",
+                   moe_router_dtype="fp32", moe_enable_routing_replay=routing_replay)
+    return TransformerConfig(
+        num_layers=args.num_hidden_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_key_value_heads, kv_channels=args.head_dim, ffn_hidden_size=args.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=args.attention_bias, qk_layernorm=True, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        sequence_parallel=sequence_parallel and tp > 1, params_dtype=torch.float32, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu, perform_initialization=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, attention_softmax_in_fp32=True, **moe)
+
+
+def layer_spec(args: ModelArgs, use_te: bool):
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts or None, qk_layernorm=True)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(num_experts=args.num_experts or None, qk_layernorm=True, normalization="RMSNorm")
+
+
+def build_gpt(args: ModelArgs, config, use_te: bool = False):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without Transformer Engine leaves it undefined
+        moe_utils.te_general_gemm = None
+
+    return GPTModel(config, layer_spec(args, use_te), vocab_size=args.vocab_size,
+                    max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=int(args.rope_theta), share_embeddings_and_output_weights=args.tie_word_embeddings,
+                    parallel_output=False)
+
+
+def padded_batch(input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, pad_to: int = 1):
+    """(ids [B, T], positions [B, T], mask [B, 1, T, T] True where attention is not allowed, grid index)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    b, t = len(lengths), -(-max(lengths) // pad_to) * pad_to
+    dev = input_ids_N.device
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lengths, device=dev))
+    pos = torch.arange(input_ids_N.shape[0], device=dev) - cu_seqlens[:-1][seq]
+    ids = torch.zeros(b, t, dtype=input_ids_N.dtype, device=dev)
+    ids[seq, pos] = input_ids_N
+    positions = torch.arange(t, device=dev).expand(b, t)
+    valid = torch.arange(t, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+    causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+    allowed = causal[None] & valid[:, None, :]
+    allowed |= torch.eye(t, dtype=torch.bool, device=dev)[None]  # padded rows attend to themselves
+    return ids, positions, ~allowed[:, None], (seq, pos)
+
+
+def logits_at(model, input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, score_pos_M: torch.Tensor,
+              pad_to: int = 1) -> torch.Tensor:
+    """Logits [M, V] of the packed stream's positions `score_pos_M` (full vocab on every TP rank)."""
+    ids, positions, mask, (seq, pos) = padded_batch(input_ids_N, cu_seqlens, pad_to)
+    logits_BTV = model(ids, positions, mask)
+    return logits_BTV[seq[score_pos_M], pos[score_pos_M]]

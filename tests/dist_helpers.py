@@ -43,3 +43,56 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
             torch.save({"state": state, "metrics": metrics}, out)
     finally:
         dist.destroy_process_group()
+
+
+def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: str, tp: int, ep: int,
+                    replay: bool) -> None:
+    """In a gloo process: build the megatron backend at (tp, ep), then save its logits on a packed
+    batch (with an R3 trace from our model when `replay`), and its gathered full HF state."""
+    from pipeline.config import load_config
+    from pipeline.models.attention import PackedCausal
+    from pipeline.trainer.batching import MicroBatch
+    from pipeline.trainer.megatron.backend import MegatronBackend
+    from pipeline.trainer.megatron.model import logits_at
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
+                                 "train.global_batch_size=8", "train.backend=megatron",
+                                 f"train.tensor_model_parallel_size={tp}", f"train.expert_model_parallel_size={ep}",
+                                 f"determinism.routing_replay={str(replay).lower()}"])
+        b = MegatronBackend(cfg, model_dir, torch.device("cpu"))
+        ids, cu, score, trace = megatron_batch(b.args)
+        with torch.no_grad():
+            if replay:
+                mb = MicroBatch.__new__(MicroBatch)
+                mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
+                b.set_replay(b.model, mb)
+            logits = logits_at(b.model, ids, cu, score)
+            b.set_replay(b.model, None) if replay else None
+        state = dict(b.full_state())
+        if rank == 0:
+            torch.save({"logits": logits, "state": state}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def megatron_batch(args):
+    """A packed batch of three sequences and, for MoE, a routing trace (the experts our model picks
+    with its router weights negated, so replaying it must change the result)."""
+    from pipeline.models.attention import PackedCausal
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 3]
+    ids = torch.randint(1, args.vocab_size, (sum(lengths),), generator=g)
+    ctx = PackedCausal.from_lengths(lengths)
+    score = torch.tensor([1, 2, 3, 4, 8, 12, 13, 15])
+    trace = None
+    if args.is_moe:
+        n, k = ids.shape[0], args.num_experts_per_tok
+        trace = torch.stack([torch.randperm(args.num_experts, generator=g)[:k] for _ in range(n * len(args.moe_layers))])
+        trace = trace.view(n, len(args.moe_layers), k).to(torch.int16)
+    return ids, ctx.cu_seqlens, score, trace

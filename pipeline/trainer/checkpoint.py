@@ -57,7 +57,7 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         dist.barrier()
         time.sleep(faults.slow_checkpoint_s(step))  # fault injection: a window to kill a save in
@@ -83,14 +83,27 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep
 def load(run_dir: str, step: int, model, optimizer, scheduler) -> dict:
     """Collective. Restores model, optimizer and scheduler in place; returns the trainer state record."""
     path = ckpt_dir(run_dir, step)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer, for_load=True)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if hasattr(model, "load_dcp_state"):
+        model.load_dcp_state(optimizer, state["model"], state["optim"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     record = read_json(os.path.join(path, STATE_NAME))
     scheduler.load_state_dict(record["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
     torch.set_rng_state(torch.tensor(record["torch_rng"], dtype=torch.uint8))
     return record
+
+
+def _state_dicts(model, optimizer, for_load: bool = False):
+    """torch's (model, optimizer) state dicts for DCP, or the model's own (`dcp_state`: the megatron
+    backend keeps each rank's shards under names of its own)."""
+    if hasattr(model, "dcp_state"):
+        return model.dcp_state(optimizer, for_load)
+    return get_state_dict(model, optimizer)
 
 
 def clean_partial(run_dir: str) -> None:

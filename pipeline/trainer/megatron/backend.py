@@ -48,6 +48,26 @@ class RankNamed(nn.Module):
     def forward(self, *args, **kwargs):
         return self.gpt(*args, **kwargs)
 
+    # DCP checkpoints (pipeline/trainer/checkpoint.py): tensors only, every key carries the rank's name.
+    def dcp_state(self, optimizer, for_load: bool = False) -> tuple[dict, dict]:
+        params = dict(self.named_parameters())
+        model = {k: v for k, v in self.state_dict().items() if not k.endswith("_extra_state")}
+        optim = {}
+        for name, p in params.items():
+            st = optimizer.state.get(p) or {}
+            if for_load and not st:  # before the first step: places for what the checkpoint holds
+                st = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                      "step": torch.zeros((), dtype=torch.float32)}
+            for k, v in st.items():
+                optim[f"{name}.{k}"] = v
+        return model, optim
+
+    def load_dcp_state(self, optimizer, model: dict, optim: dict) -> None:
+        self.load_state_dict(model, strict=False)
+        for name, p in self.named_parameters():
+            optimizer.state[p] = {k: optim[f"{name}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")
+                                  if f"{name}.{k}" in optim}
+
 
 def check_config(cfg: RunConfig) -> None:
     t = cfg.train
@@ -58,6 +78,8 @@ def check_config(cfg: RunConfig) -> None:
         "determinism.true_on_policy (megatron's linear layers are not batch invariant)": cfg.determinism.true_on_policy,
         "train.recompute_activations": t.recompute_activations,
         "train.pipeline_model_parallel_size > 1 (pipeline parallelism is not built yet)": t.pipeline_model_parallel_size > 1,
+        "train.sequence_parallel without Transformer Engine (megatron's local RMSNorm has no sequence"
+        " parallel path)": t.sequence_parallel and not _has_te(),
     }
     bad = [k for k, v in refuse.items() if v]
     if bad:
@@ -102,9 +124,12 @@ class MegatronBackend:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         use_te = device.type == "cuda" and _has_te()
+        if self.args.is_moe and self.tp > 1 and not t.sequence_parallel:
+            raise ConfigError("megatron runs MoE layers under tensor parallelism only with train.sequence_parallel"
+                              " (which needs Transformer Engine): use expert parallelism"
+                              " (train.expert_model_parallel_size) for MoE models here")
         if t.sequence_parallel and not use_te:
-            raise ConfigError("train.sequence_parallel needs Transformer Engine's layer spec (megatron's local"
-                              " RMSNorm does not support it)")
+            raise ConfigError("train.sequence_parallel needs Transformer Engine on a GPU")
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
                                     dtype=self.compute_dtype, on_cpu=device.type == "cpu",
                                     routing_replay=self.args.is_moe and cfg.determinism.routing_replay)

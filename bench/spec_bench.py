@@ -114,6 +114,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--k", type=int, nargs="*", default=[3])
+    p.add_argument("--batches", type=int, nargs="*")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="default: bfloat16 on GPUs. A random model's near-ties flip between a 1-token and a"
                         " (k+1)-token forward in bf16, so plain and speculative tokens part early; fp32 (no TF32)"
@@ -134,6 +135,7 @@ def main(argv=None):
         model = Qwen3ForCausalLM(args)
     model.init_weights(0)
     model = model.to(dtype).eval().requires_grad_(False)
+    batches = a.batches or batches
     vocab = min(args.vocab_size, 1000)
     out = {"device": str(device), "dtype": str(dtype), "params": sum(p.numel() for p in model.parameters()),
            "layers": args.num_hidden_layers}

@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.common import qwen3_0p5b, sync, write  # noqa: E402
-from bench.trainer_bench import matmul_rate, step_time, train_flops  # noqa: E402
+from bench.common import qwen3_0p5b, write  # noqa: E402
+from bench.trainer_bench import matmul_rate, median_step_time, packed_batch, step_time, train_flops  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
-from pipeline.models.logprobs import token_logprobs  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
 
@@ -52,30 +50,18 @@ def megatron_step_time(args, device, seq_len: int, seqs: int, steps: int) -> flo
     del ours
     gpt = gpt.to(device)
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-5)
-    n = seq_len * seqs
-    cu = torch.arange(0, n + 1, seq_len, device=device)
-    ids = torch.randint(0, args.vocab_size, (n,), device=device)
-    score = torch.cat([torch.arange(s * seq_len, (s + 1) * seq_len - 1, device=device) for s in range(seqs)])
-    targets = ids[score + 1]
-    adv = torch.randn(len(score), device=device)
-    times = []
-    for i in range(steps + 2):
-        sync(device)
-        t0 = time.perf_counter()
+    cu = torch.arange(0, seq_len * seqs + 1, seq_len, device=device)
+    ids, score, targets, adv = packed_batch(args, device, seq_len, seqs)
+
+    def logits():
         with torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32):
-            logits = logits_at(gpt, ids, cu, score)
-        loss = -(token_logprobs(logits, targets, 1.0) * adv).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+            return logits_at(gpt, ids, cu, score)
+
+    t = median_step_time(logits, targets, adv, gpt, opt, device, steps)
     del gpt, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return sorted(times)[len(times) // 2]
+    return t
 
 
 def main(argv=None):

@@ -59,18 +59,29 @@ def step_time(args, device, seq_len: int, seqs: int, steps: int) -> float:
     model = shard(model, mesh, compute)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ctx = PackedCausal.from_lengths([seq_len] * seqs, device=device)
-    n = seq_len * seqs
-    ids = torch.randint(0, args.vocab_size, (n,), device=device)
+    ids, score, targets, adv = packed_batch(args, device, seq_len, seqs)
+    t = median_step_time(lambda: model(ids, ctx.positions, ctx, None, logits_at_M=score), targets, adv, model, opt,
+                         device, steps)
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return t
+
+
+def packed_batch(args, device, seq_len: int, seqs: int):
+    """`seqs` random sequences of `seq_len` tokens packed: (ids, scored positions, their targets, advantages)."""
+    ids = torch.randint(0, args.vocab_size, (seq_len * seqs,), device=device)
     score = torch.cat([torch.arange(s * seq_len, (s + 1) * seq_len - 1, device=device) for s in range(seqs)])
-    targets = ids[score + 1]
-    adv = torch.randn(len(score), device=device)
+    return ids, score, ids[score + 1], torch.randn(len(score), device=device)
+
+
+def median_step_time(logits_fn, targets, adv, model, opt, device, steps: int) -> float:
+    """Median seconds of a step (forward, policy-gradient loss, backward, clip, AdamW) after 2 warm-ups."""
     times = []
     for i in range(steps + 2):
         sync(device)
         t0 = time.perf_counter()
-        logits = model(ids, ctx.positions, ctx, None, logits_at_M=score)
-        logp = token_logprobs(logits, targets, 1.0)
-        loss = -(logp * adv).mean()
+        loss = -(token_logprobs(logits_fn(), targets, 1.0) * adv).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -78,9 +89,6 @@ def step_time(args, device, seq_len: int, seqs: int, steps: int) -> float:
         sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    del model, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return sorted(times)[len(times) // 2]
 
 

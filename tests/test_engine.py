@@ -204,3 +204,20 @@ def test_scheduler_failure_fails_requests_and_ends_the_server(dense_dir, engine_
     with pytest.raises(EngineError, match="HTTP 500.*engine failed"):
         c.request("POST", "/generate", {"input_ids": [5, 10_000_000], "sampling_params": {"max_new_tokens": 2}})
     assert eng.proc.wait(timeout=30) != 0
+
+
+def test_a_truncating_neighbour_does_not_truncate_a_row_that_asked_for_none(monkeypatch):
+    """softmax([30, 0, 0]) rounds the tail's cumulative mass to 1 in fp32, so a top-p mask at p=1 would
+    drop tokens 1-2. Noise that makes token 1 win shows whether row 0 was masked because row 1 asked
+    for top-p."""
+    import pipeline.rollout.engine.sampling as S
+
+    noise = torch.tensor([[0.5, 1 - 1e-15, 0.5]], dtype=torch.float64)
+    monkeypatch.setattr(S, "hash_uniform", lambda seeds, pos, v: noise.expand(len(seeds), v))
+    row = torch.tensor([[30.0, 0.0, 0.0]])
+    one = dict(temperature_B=torch.tensor([1.0]), seeds_B=torch.tensor([0]), positions_B=torch.tensor([0]))
+    alone = S.sample(row, top_p_B=torch.tensor([1.0]), top_k_B=torch.tensor([-1]), **one)
+    two = {k: v.repeat(2) for k, v in one.items()}
+    with_neighbour = S.sample(row.repeat(2, 1), top_p_B=torch.tensor([1.0, 0.5]), top_k_B=torch.tensor([-1, -1]), **two)
+    assert alone.tolist() == [1]
+    assert with_neighbour.tolist() == [1, 0]  # row 1 is truncated to its top token; row 0 is not

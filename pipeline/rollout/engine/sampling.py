@@ -63,9 +63,13 @@ def sample(
 ) -> torch.Tensor:
     """Next token per row. Rows with temperature ~0 take the argmax."""
     scaled = scaled_logits(logits_BV, temperature_B)
-    needs_trunc = bool(((top_p_B < 1.0) | (top_k_B > 0)).any())
-    if needs_trunc:
-        scaled = scaled.masked_fill(~truncation_mask(scaled, top_p_B, top_k_B), float("-inf"))
+    truncated_B = (top_p_B < 1.0) | (top_k_B > 0)
+    if bool(truncated_B.any()):
+        # Rows that asked for no truncation keep every token: a row's tokens never depend on whether
+        # another request in the batch uses top-p/top-k (a mask at p=1 can drop tokens whose
+        # cumulative probability rounds to 1).
+        keep = truncation_mask(scaled, top_p_B, top_k_B) | ~truncated_B[:, None]
+        scaled = scaled.masked_fill(~keep, float("-inf"))
     gumbel = -torch.log(-torch.log(hash_uniform(seeds_B, positions_B, logits_BV.shape[-1])))
     noisy = scaled.double() + gumbel
     greedy = temperature_B < GREEDY_EPS

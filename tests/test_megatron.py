@@ -99,14 +99,28 @@ def test_megatron_config_refusals():
         load_config("configs/tiny.yaml", ["train.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="divisible by train.tensor_model_parallel_size"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.tensor_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="true_on_policy"):
-        load_config("configs/tiny.yaml", ["train.backend=megatron", "determinism.true_on_policy=true"])
+    with pytest.raises(ConfigError, match="true_on_policy with tensor parallelism"):
+        load_config("configs/tiny.yaml", ["train.backend=megatron", "determinism.true_on_policy=true",
+                                          "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
     with pytest.raises(ConfigError, match="sequence_parallel"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.sequence_parallel=true",
                                           "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.pipeline_model_parallel_size=2",
                                           "train.num_gpus=2", "train.global_batch_size=256"])
+
+
+def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
+    """Dense, TP=1, batch-invariant mode: megatron's layers run on Lockstep's kernels, so the trainer's
+    logprobs equal the engine's bit for bit every step (the run itself stops if they do not)."""
+    from test_e2e import lockstep
+    from pipeline.observability.metrics import read_metrics
+
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "train.backend=megatron", "num_rollout=6",
+                   "determinism.true_on_policy=true", "logging.plot=false", "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_metrics(f"{tmp_path}/run")
+    assert len(rows) == 6 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)
 
 
 @pytest.mark.parametrize("variant", [

@@ -75,7 +75,8 @@ def check_config(cfg: RunConfig) -> None:
         "algo.advantage_estimator=ppo (a critic)": cfg.algo.advantage_estimator == "ppo",
         "train.int4_qat": t.int4_qat,
         "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
-        "determinism.true_on_policy (megatron's linear layers are not batch invariant)": cfg.determinism.true_on_policy,
+        "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
+        " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
         "train.recompute_activations": t.recompute_activations,
         "train.pipeline_model_parallel_size > 1 (pipeline parallelism is not built yet)": t.pipeline_model_parallel_size > 1,
         "train.sequence_parallel without Transformer Engine (megatron's local RMSNorm has no sequence"
@@ -124,6 +125,10 @@ class MegatronBackend:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         use_te = device.type == "cuda" and _has_te()
+        if self.args.is_moe and cfg.determinism.true_on_policy:
+            raise ConfigError("train.backend=megatron is bit-exact with the engine for dense models only: megatron's"
+                              " MoE router and expert combine add in another order (use train.backend=fsdp for"
+                              " true on-policy MoE)")
         if self.args.is_moe and self.tp > 1 and not t.sequence_parallel:
             raise ConfigError("megatron runs MoE layers under tensor parallelism only with train.sequence_parallel"
                               " (which needs Transformer Engine): use expert parallelism"

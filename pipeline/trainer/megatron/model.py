@@ -12,8 +12,8 @@ Legend: B sequences, T padded length, N packed tokens, M scored positions, V voc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+import kernels
 from pipeline.models.config import ModelArgs
 
 
@@ -34,7 +34,8 @@ def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: 
     return TransformerConfig(
         num_layers=args.num_hidden_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_key_value_heads, kv_channels=args.head_dim, ffn_hidden_size=args.intermediate_size,
-        normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps, gated_linear_unit=True,
+        activation_func=kernels.silu,  # as pipeline.models (batch invariant when that mode is on)
         add_bias_linear=False, add_qkv_bias=args.attention_bias, qk_layernorm=True, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         sequence_parallel=sequence_parallel and tp > 1, params_dtype=torch.float32, bf16=dtype == torch.bfloat16,
@@ -50,7 +51,15 @@ def layer_spec(args: ModelArgs, use_te: bool):
         return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts or None, qk_layernorm=True)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=args.num_experts or None, qk_layernorm=True, normalization="RMSNorm")
+    from pipeline.trainer.megatron.layers import CoreAttention, RMSNorm
+
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts or None, qk_layernorm=True, normalization="RMSNorm")
+    sub = spec.submodules  # megatron's modules, with our norms and core attention (pipeline/trainer/megatron/layers.py)
+    sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    attn.q_layernorm = attn.k_layernorm = RMSNorm
+    attn.core_attention = CoreAttention
+    return spec
 
 
 def build_gpt(args: ModelArgs, config, use_te: bool = False):
@@ -60,7 +69,16 @@ def build_gpt(args: ModelArgs, config, use_te: bool = False):
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without Transformer Engine leaves it undefined
         moe_utils.te_general_gemm = None
 
-    return GPTModel(config, layer_spec(args, use_te), vocab_size=args.vocab_size,
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from pipeline.trainer.megatron.layers import RMSNorm, patch_linear
+
+    patch_linear()
+    spec = layer_spec(args, use_te)
+    if not use_te:  # the final norm too
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * args.num_hidden_layers, layer_norm=RMSNorm)
+    return GPTModel(config, spec, vocab_size=args.vocab_size,
                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                     rotary_base=int(args.rope_theta), share_embeddings_and_output_weights=args.tie_word_embeddings,
                     parallel_output=False)

@@ -1,0 +1,89 @@
+"""Lockstep's own kernels inside megatron-core's layers.
+
+megatron's local spec keeps its parallel linear layers, TransformerLayer and MoE, but its norm and
+core attention are these modules, which call the same kernels as pipeline.models (kernels.rms_norm,
+kernels.attention: SDPA on GPUs instead of megatron's unfused masked softmax). In batch-invariant
+mode (determinism.true_on_policy) megatron's linear layers go through kernels.linear too
+(`patch_linear`), so a dense model at TP=1 computes the engine's logprobs bit for bit.
+
+Shapes follow megatron: [s, b, ...] sequence-major.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+
+
+class RMSNorm(nn.Module):
+    """megatron's norm constructor signature, kernels.rms_norm inside (parameter `weight`)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+        if getattr(config, "sequence_parallel", False):
+            setattr(self.weight, "sequence_parallel", True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class CoreAttention(nn.Module):
+    """Causal GQA attention over a padded [s, b] batch (queries see keys 0..their own position, as
+    pipeline.models.attention does; padding rows come after each sequence and are never scored)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout=None, softmax_scale=None, **_):
+        super().__init__()
+        self.config = config
+        assert softmax_scale is None, "Lockstep's core attention uses 1/sqrt(head_dim)"
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert packed_seq_params is None and attention_bias is None
+        s, b = query.shape[0], query.shape[1]
+        q_BHQD, k_BGTD, v_BGTD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        qpos_BQ = torch.arange(s, device=query.device).expand(b, s)
+        o_BHQD = kernels.attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
+        return o_BHQD.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class _InvariantLinear(torch.autograd.Function):
+    """Forward through kernels.linear (batch invariant); backward as a plain linear layer's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return kernels.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
+        return grad.matmul(weight.to(grad.dtype)), grad_w, (g2.sum(0) if ctx.has_bias else None)
+
+
+def patch_linear() -> None:
+    """Route megatron's parallel linear layers through kernels.linear while batch-invariant mode is on
+    (TP=1 only: no gradient all-reduce happens in the replacement)."""
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "_lockstep_patched", False):
+        return
+    original = layers.linear_with_grad_accumulation_and_async_allreduce
+
+    def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, *args, **kwargs):
+        if kernels.is_batch_invariant():
+            assert not allreduce_dgrad and not sequence_parallel, "batch-invariant megatron layers need TP=1"
+            return _InvariantLinear.apply(input, weight, bias)
+        return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                        *args, **kwargs)
+
+    linear.warned = original.warned  # megatron keeps a one-time warning flag on the function
+    layers.linear_with_grad_accumulation_and_async_allreduce = linear
+    layers._lockstep_patched = True

@@ -28,9 +28,40 @@ def qwen3_1p7b(vocab: int = 151936) -> ModelArgs:
                      rope_theta=1e6, tie_word_embeddings=True, eos_token_id=0)
 
 
+def single_process_group(tiny: bool, port: int) -> torch.device:
+    """A one-rank process group (NCCL on the GPU, gloo for --tiny or without one); returns the device."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    return device
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def generate(model, prompts: list[list[int]], new: int, device, dtype, temperature: float = 1.0, k: int = 0):
+    """(requests, seconds, engine): the built-in engine generates `new` tokens for every prompt in one
+    batch (prefill included; ignore EOS), with `k` speculative draft tokens per step (0: plain)."""
+    from pipeline.rollout.engine.core import Engine, Request, SamplingParams
+
+    engine = Engine(model, max_running=len(prompts), context_length=len(prompts[0]) + new + 8, eos_token_ids=[0],
+                    device=device, dtype=dtype, speculative_num_steps=k)
+    reqs = [Request(p, SamplingParams(max_new_tokens=new, temperature=temperature, ignore_eos=True, sampling_seed=i))
+            for i, p in enumerate(prompts)]
+    sync(device)
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.submit(r)
+    while engine.waiting or engine.running:
+        engine.step()
+    sync(device)
+    return reqs, time.perf_counter() - t0, engine
 
 
 def copy_bandwidth(device, nbytes: int) -> float:

@@ -20,29 +20,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import copy_bandwidth, qwen3_0p5b, sync, write  # noqa: E402
+from bench.common import copy_bandwidth, generate, qwen3_0p5b, sync, write  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.hf_io import load_model, save_model  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from pipeline.rollout.engine.core import Engine, Request, SamplingParams  # noqa: E402
 
 
 def engine_run(model, batch, prompt, new, device, dtype) -> float:
     """Seconds to generate `new` tokens for `batch` requests (prefill included)."""
-    engine = Engine(model, max_running=batch, context_length=prompt + new + 8, eos_token_ids=[0], device=device,
-                    dtype=dtype)
     g = torch.Generator().manual_seed(batch)
-    reqs = [Request(torch.randint(1, min(1000, model.args.vocab_size), (prompt,), generator=g).tolist(),
-                    SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, sampling_seed=i))
-            for i in range(batch)]
-    sync(device)
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.submit(r)
-    while engine.waiting or engine.running:
-        engine.step()
-    sync(device)
-    dt = time.perf_counter() - t0
+    prompts = [torch.randint(1, min(1000, model.args.vocab_size), (prompt,), generator=g).tolist() for _ in range(batch)]
+    reqs, dt, _ = generate(model, prompts, new, device, dtype)
     assert all(len(r.output_ids) == new for r in reqs)
     return dt
 

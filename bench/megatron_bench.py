@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.common import qwen3_0p5b, write  # noqa: E402
+from bench.common import qwen3_0p5b, single_process_group, write  # noqa: E402
 from bench.trainer_bench import matmul_rate, median_step_time, packed_batch, step_time, train_flops  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
@@ -69,11 +69,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29556",
-                            rank=0, world_size=1)
+    device = single_process_group(a.tiny, 29556)
     name, args, seq_len, seqs = (("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), 64, 8) if a.tiny
                                  else ("0.5B", qwen3_0p5b(), 2048, 8))
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)

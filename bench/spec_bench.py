@@ -30,34 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
-from bench.common import qwen3_0p5b, sync, write  # noqa: E402
+from bench.common import generate, qwen3_0p5b, write  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.logprobs import token_logprobs  # noqa: E402
 from pipeline.models.mtp import mtp_inputs  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from pipeline.rollout.engine.core import Engine, Request, SamplingParams  # noqa: E402
 
 
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
-
-
-def generate(model, prompts, new: int, k: int, temperature: float, device, dtype):
-    """(requests, seconds, engine) for one batch of all `prompts` (prefill included)."""
-    engine = Engine(model, max_running=len(prompts), context_length=len(prompts[0]) + new + 8, eos_token_ids=[0],
-                    device=device, dtype=dtype, speculative_num_steps=k)
-    reqs = [Request(p, SamplingParams(max_new_tokens=new, temperature=temperature, ignore_eos=True, sampling_seed=i))
-            for i, p in enumerate(prompts)]
-    sync(device)
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.submit(r)
-    while engine.waiting or engine.running:
-        engine.step()
-    sync(device)
-    return reqs, time.perf_counter() - t0, engine
 
 
 def distill_head(model, seqs: list[list[int]], steps: int, device) -> list[float]:
@@ -99,9 +82,9 @@ def distill_head(model, seqs: list[list[int]], steps: int, device) -> list[float
 
 
 def compare(model, prompts, new, k, temperature, device, dtype) -> dict:
-    generate(model, prompts[:2], 4, k, temperature, device, dtype)  # warm-up
-    plain, t_plain, _ = generate(model, prompts, new, 0, temperature, device, dtype)
-    spec, t_spec, e = generate(model, prompts, new, k, temperature, device, dtype)
+    generate(model, prompts[:2], 4, device, dtype, temperature=temperature, k=k)  # warm-up
+    plain, t_plain, _ = generate(model, prompts, new, device, dtype, temperature=temperature, k=0)
+    spec, t_spec, e = generate(model, prompts, new, device, dtype, temperature=temperature, k=k)
     same = sum(a.output_ids == b.output_ids for a, b in zip(plain, spec))
     toks = len(prompts) * new
     return {"batch": len(prompts), "new_tokens": new, "k": k, "temperature": temperature,
@@ -141,7 +124,7 @@ def main(argv=None):
            "layers": args.num_hidden_layers}
     t0 = time.perf_counter()
     train_prompts = prompts_for(max(n_train, max(batches)), plen, vocab, 1)
-    reqs, _, _ = generate(model, train_prompts, new, 0, 0.0, device, dtype)
+    reqs, _, _ = generate(model, train_prompts, new, device, dtype, temperature=0.0, k=0)
     out["distill_losses"] = distill_head(model, [r.input_ids + r.output_ids for r in reqs], steps, device)
     out["distill_s"] = time.perf_counter() - t0
     rows = []
@@ -152,8 +135,8 @@ def main(argv=None):
     out["rows"] = rows
     with kernels.batch_invariant_mode(True):
         small = prompts_for(4, plen, vocab, 7)
-        plain, _, _ = generate(model, small, 32, 0, 1.0, device, dtype)
-        spec, _, e = generate(model, small, 32, 3, 1.0, device, dtype)
+        plain, _, _ = generate(model, small, 32, device, dtype, temperature=1.0, k=0)
+        spec, _, e = generate(model, small, 32, device, dtype, temperature=1.0, k=3)
     out["true_on_policy_bit_identical"] = all(x.output_ids == y.output_ids and x.output_logprobs == y.output_logprobs
                                               for x, y in zip(plain, spec))
     out["true_on_policy_accept_length"] = e.spec.stats()["avg_spec_accept_length"]

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from bench.common import qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
+from bench.common import qwen3_0p5b, qwen3_1p7b, single_process_group, sync, write  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.logprobs import token_logprobs  # noqa: E402
@@ -97,11 +97,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29555",
-                            rank=0, world_size=1)
+    device = single_process_group(a.tiny, 29555)
     configs = ([("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), 64, 8)] if a.tiny else
                [("0.5B", qwen3_0p5b(), 2048, 8), ("1.7B", qwen3_1p7b(), 2048, 8)])
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)

@@ -3,6 +3,8 @@ kernel on GPUs / the batch-invariant torch path on CPUs. See kernels/__init__.py
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -88,15 +90,13 @@ def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
     if not _bi():
         h, g, t = q_BHQD.shape[1], k_BGTD.shape[1], k_BGTD.shape[2]
         mask_BQT = torch.arange(t, device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
-        if q_BHQD.is_cuda and q_BHQD.shape[2] <= _FEW_QUERIES:
-            # Decode and verify steps: not cuDNN, which builds an execution plan per new shape (~2 ms of
-            # CPU per call) and decode meets a new key length every step (57% of a 113 ms decode step,
-            # bench/profile_decode.py). Long queries (training, prefill) keep it: there it is the fastest
-            # (excluding it everywhere took a 0.5B training step from 236 to 632 ms).
-            with sdpa_kernel(_SDPA_NO_CUDNN):
-                return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None],
-                                                      enable_gqa=h != g)
-        return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
+        # Decode and verify steps: not cuDNN, which builds an execution plan per new shape (~2 ms of CPU
+        # per call) and decode meets a new key length every step (57% of a 113 ms decode step,
+        # bench/profile_decode.py). Long queries (training, prefill) keep it: there it is the fastest
+        # (excluding it everywhere took a 0.5B training step from 236 to 632 ms).
+        few = q_BHQD.is_cuda and q_BHQD.shape[2] <= _FEW_QUERIES
+        with sdpa_kernel(_SDPA_NO_CUDNN) if few else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
     if use_triton(q_BHQD):
         from kernels.gpu.attention import bi_attention
 

@@ -140,20 +140,20 @@ class FSDPBackend:
         model = model or self.model
         routing = MoeRouting(trace_NLk=mb.trace_NLk, replay=replay) if self.args.is_moe else None
         temp = self.cfg.rollout.rollout_temperature
-        mtp = None
+        mtp_kw = {}
         if want_mtp:
             next_ids_N, at_M, valid_M = mtp_inputs(mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M)
-            logits_MV, mtp_logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing,
-                                             logits_at_M=mb.score_pos_M, mtp_next_ids_N=next_ids_N, mtp_at_M=at_M)
-            mtp = MtpScores(token_logprobs(mtp_logits_MV, mb.targets_M, temp),
-                            (mtp_logits_MV.argmax(-1) == mb.targets_M).float(), valid_M.float() * mb.mask_M)
-        else:
-            logits_MV = model(mb.input_ids_N, mb.positions_N, mb.attn, routing, logits_at_M=mb.score_pos_M)
+            mtp_kw = dict(mtp_next_ids_N=next_ids_N, mtp_at_M=at_M)
+        out = model(mb.input_ids_N, mb.positions_N, mb.attn, routing, logits_at_M=mb.score_pos_M, **mtp_kw)
+        logits_MV = out[0] if want_mtp else out
         logp_M = token_logprobs(logits_MV, mb.targets_M, temp)
         ent_M = entropy(logits_MV, temp) if want_entropy else None
-        if want_mtp:
-            return logp_M, ent_M, routing, mtp
-        return logp_M, ent_M, routing
+        if not want_mtp:
+            return logp_M, ent_M, routing
+        mtp_logits_MV = out[1]
+        return logp_M, ent_M, routing, MtpScores(token_logprobs(mtp_logits_MV, mb.targets_M, temp),
+                                                 (mtp_logits_MV.argmax(-1) == mb.targets_M).float(),
+                                                 valid_M.float() * mb.mask_M)
 
     @torch.no_grad()
     def ref_logprobs(self, mb: MicroBatch, replay: bool = False) -> torch.Tensor:

@@ -316,10 +316,9 @@ class Trainer:
             # The draft head learns the next-next token of the same sequences; its share is scaled like
             # the policy loss (per token of the global batch), and its inputs are detached.
             s = mtp[0]
-            mtp_nll = -(s.logp_M * s.mask_M).sum() / max(counts["tokens"], 1.0)
-            loss = loss + cfg.train.mtp_loss_scaling_factor * mtp_nll * mb.weight
-            m.update(mtp_nll_sum=(-(s.logp_M * s.mask_M).sum()).detach(), mtp_hit_sum=(s.hit_M * s.mask_M).sum(),
-                     mtp_tokens_sum=s.mask_M.sum())
+            nll_sum = -(s.logp_M * s.mask_M).sum()
+            loss = loss + cfg.train.mtp_loss_scaling_factor * (nll_sum / max(counts["tokens"], 1.0)) * mb.weight
+            m.update(mtp_nll_sum=nll_sum.detach(), mtp_hit_sum=(s.hit_M * s.mask_M).sum(), mtp_tokens_sum=s.mask_M.sum())
         if faults.in_range("nan_grad_steps", self.step):
             loss = loss * float("nan")  # fault injection
         (loss * b.loss_scale).backward()  # FSDP averages gradients over ranks: loss_scale undoes that

@@ -80,6 +80,16 @@ class Request:
         return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
 
 
+def sampling_rows(reqs: list[Request], device, per_request: int = 1) -> dict[str, torch.Tensor]:
+    """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
+    starting at its next one (rows request-major: a request's positions are adjacent)."""
+    rep = lambda vals, dtype=None: torch.tensor(vals, dtype=dtype, device=device).repeat_interleave(per_request)  # noqa: E731
+    step = torch.arange(per_request, device=device).repeat(len(reqs))
+    return {"temperature_B": rep([r.params.temperature for r in reqs]), "top_p_B": rep([r.params.top_p for r in reqs]),
+            "top_k_B": rep([r.params.top_k for r in reqs]), "seeds_B": rep([r.seed() for r in reqs], torch.int64),
+            "positions_B": rep([len(r.output_ids) for r in reqs], torch.int64) + step}
+
+
 class Engine:
     def __init__(
         self,
@@ -216,16 +226,14 @@ class Engine:
             if self.running[i].abort_requested:
                 self._finish_running(i, {"type": "abort"})
 
-    def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor,
-                 return_hidden: bool = False):
-        """Logits [B, V] at `logits_at` (each sequence's last new token), the routing record, and with
-        return_hidden the last layer's hidden states [N, D] (what the MTP draft head reads)."""
+    def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor):
+        """Logits [B, V] at `logits_at` (each sequence's last new token), the routing record, and when
+        speculating the last layer's hidden states [N, D] (what the MTP draft head reads; else None)."""
         routing = MoeRouting(record=True) if (record and self.args.is_moe) else None
         ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
-        out = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at, return_hidden=return_hidden)
-        if return_hidden:
-            return out[0], routing, out[1]
-        return out, routing
+        out = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at, return_hidden=self.spec is not None)
+        logits, hidden = out if self.spec is not None else (out, None)
+        return logits, routing, hidden
 
     def _prefill(self, admit: list[Request]) -> None:
         base = len(self.running)
@@ -235,11 +243,9 @@ class Engine:
         record = any(r.return_routed_experts for r in admit)
         ends = torch.cumsum(torch.tensor([len(s) for s in seqs], device=self.device), 0) - 1
         self.running.extend(admit)  # before the forward: if it fails, these are finished with the error
+        logits, routing, hidden = self._forward([t for s in seqs for t in s], ctx, record, ends)
         if self.spec:
-            logits, routing, hidden = self._forward([t for s in seqs for t in s], ctx, record, ends, return_hidden=True)
             self.spec.after_prefill(admit, [len(s) for s in seqs], hidden)
-        else:
-            logits, routing = self._forward([t for s in seqs for t in s], ctx, record, ends)
         for r in admit:
             r.weight_version = r.weight_version or self.weight_version
         self._keep_routing(admit, [len(s) for s in seqs], routing)
@@ -251,7 +257,7 @@ class Engine:
         b = len(reqs)
         ctx = CacheAttention(self.cache, list(range(b)), [r.num_tokens - 1 for r in reqs], [1] * b, self.device)
         record = any(r.return_routed_experts for r in reqs)
-        logits, routing = self._forward([r.output_ids[-1] for r in reqs], ctx, record,
+        logits, routing, _ = self._forward([r.output_ids[-1] for r in reqs], ctx, record,
                                         torch.arange(b, device=self.device))
         self._keep_routing(reqs, [1] * b, routing)
         self.stats["decode_tokens"] += b
@@ -266,14 +272,9 @@ class Engine:
                 r.routed.append(chunk)
 
     def _sample_and_advance(self, reqs: list[Request], logits_BV: torch.Tensor, first_slot: int) -> None:
-        dev = self.device
-        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
-        seeds = torch.tensor([r.seed() for r in reqs], dtype=torch.int64, device=dev)
-        pos = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
-        tokens_B = sample(logits_BV, temp, top_p, top_k, seeds, pos)
-        logps_B = token_logprobs(logits_BV, tokens_B, temp)
+        rows = sampling_rows(reqs, self.device)
+        tokens_B = sample(logits_BV, **rows)
+        logps_B = token_logprobs(logits_BV, tokens_B, rows["temperature_B"])
         tokens, logps = tokens_B.tolist(), logps_B.tolist()
         finished = []
         for i, r in enumerate(reqs):

@@ -27,6 +27,7 @@ import dataclasses
 import torch
 
 from pipeline.models.logprobs import token_logprobs
+from pipeline.rollout.engine.core import sampling_rows
 from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
 from pipeline.rollout.engine.sampling import sample
 
@@ -79,14 +80,10 @@ class SpecDecoder:
         ctx = CacheAttention(e.cache, list(range(b)), [r.num_tokens - 1 for r in reqs], [k + 1] * b, e.device)
         record = any(r.return_routed_experts for r in reqs)
         logits, routing, hidden_ND = e._forward([t for s in seqs for t in s], ctx, record,
-                                                torch.arange(b * (k + 1), device=e.device), return_hidden=True)
-        rep = lambda vals, dtype=None: torch.tensor(vals, dtype=dtype, device=e.device).repeat_interleave(k + 1)
-        temp = rep([r.params.temperature for r in reqs])
-        pos = (torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=e.device)[:, None]
-               + torch.arange(k + 1, device=e.device)[None, :]).reshape(-1)
-        tokens_N = sample(logits, temp, rep([r.params.top_p for r in reqs]), rep([r.params.top_k for r in reqs]),
-                          rep([r.seed() for r in reqs], torch.int64), pos)
-        logps_N = token_logprobs(logits, tokens_N, temp)
+                                                torch.arange(b * (k + 1), device=e.device))
+        rows = sampling_rows(reqs, e.device, per_request=k + 1)
+        tokens_N = sample(logits, **rows)
+        logps_N = token_logprobs(logits, tokens_N, rows["temperature_B"])
         target_BK = tokens_N.view(b, k + 1)
         accepted_B = accepted_prefix(drafts_Bk, target_BK).tolist()
         tokens, logps = target_BK.tolist(), logps_N.view(b, k + 1).tolist()
@@ -133,15 +130,11 @@ class SpecDecoder:
         logits, h_ND = e.model.draft(torch.cat([r.spec_hidden for r in reqs]), torch.tensor(nxt, device=dev),
                                      ctx.positions, ctx, at_M=last)
         h_BD = h_ND[last]
-        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-        top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
-        seeds = torch.tensor([r.seed() for r in reqs], dtype=torch.int64, device=dev)
-        out_pos = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        rows = sampling_rows(reqs, dev)
         row_pos = [r.num_tokens - 1 for r in reqs]  # the head's next row: position of the last token
         drafts = []
         for j in range(k):
-            d_B = sample(logits, temp, top_p, top_k, seeds, out_pos + j)
+            d_B = sample(logits, **{**rows, "positions_B": rows["positions_B"] + j})
             drafts.append(d_B)
             if j + 1 == k:
                 break

@@ -69,7 +69,6 @@ def build_gpt(args: ModelArgs, config, use_te: bool = False):
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without Transformer Engine leaves it undefined
         moe_utils.te_general_gemm = None
 
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from pipeline.trainer.megatron.layers import RMSNorm, patch_linear

@@ -26,13 +26,43 @@ from pipeline.models.hf_io import load_model, save_model  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
 
-def engine_run(model, batch, prompt, new, device, dtype) -> float:
-    """Seconds to generate `new` tokens for `batch` requests (prefill included)."""
+def prompts_for(model, batch, prompt):
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(1, min(1000, model.args.vocab_size), (prompt,), generator=g).tolist() for _ in range(batch)]
-    reqs, dt, _ = generate(model, prompts, new, device, dtype)
+    return [torch.randint(1, min(1000, model.args.vocab_size), (prompt,), generator=g).tolist() for _ in range(batch)]
+
+
+def engine_run(model, batch, prompt, new, device, dtype, graphs=True, quantization=None) -> float:
+    """Seconds to generate `new` tokens for `batch` requests (prefill included)."""
+    reqs, dt, _ = generate(model, prompts_for(model, batch, prompt), new, device, dtype, graphs=graphs,
+                           quantization=quantization)
     assert all(len(r.output_ids) == new for r in reqs)
     return dt
+
+
+def graphs_bit_identical(model, device, dtype) -> bool:
+    """In batch-invariant mode the CUDA-graph decode gives the eager decode's tokens and logprobs bit
+    for bit: 8 requests of different prompt and output lengths (the batch shrinks through the buckets),
+    graphs dropped after 6 steps and captured again mid-run (what a memory release does)."""
+    from kernels import batch_invariant_mode
+    from pipeline.rollout.engine.core import Engine, Request, SamplingParams
+
+    def run(graph_bs):
+        engine = Engine(model, max_running=8, context_length=128, eos_token_ids=[0], device=device, dtype=dtype,
+                        cuda_graph_max_bs=graph_bs)
+        reqs = [Request(p[: 5 + 7 * i], SamplingParams(max_new_tokens=10 + 3 * i, ignore_eos=True, sampling_seed=i))
+                for i, p in enumerate(prompts_for(model, 8, 64))]
+        for r in reqs:
+            engine.submit(r)
+        steps = 0
+        while engine.waiting or engine.running:
+            engine.step()
+            steps += 1
+            if steps == 6 and engine.graphs is not None:
+                engine.graphs.reset()
+        return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+    with batch_invariant_mode():
+        return run(0) == run(8 if torch.device(device).type == "cuda" else 0)
 
 
 def hf_run(hf, batch, prompt, new, device) -> float:
@@ -62,6 +92,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int)
     p.add_argument("--new", type=int)
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--fp8", action="store_true", help="also the engine with FP8 linear layers (engine.quantization=fp8)")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -84,16 +115,28 @@ def main(argv=None):
     rows = []
     for b in batches:
         ours = decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)
+        eager = decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype, graphs=False), b, prompt, new)
+        low = None
+        if a.fp8:  # a copy: the FP8 engine quantises its model's linear layers in place
+            import copy
+
+            low = decode_rate(lambda bb, pp, nn: engine_run(copy.deepcopy(model), bb, pp, nn, device, dtype,
+                                                            quantization="fp8"), b, prompt, new)
         theirs = decode_rate(lambda bb, pp, nn: hf_run(hf, bb, pp, nn, device), b, prompt, new) if hf else None
         kv_bytes = b * (prompt + new / 2) * kv_per_token  # average context over the decode
         bound = b / ((weight_bytes + kv_bytes) / (bw / 2))  # a step reads weights + KV once
-        rows.append({"batch": b, "engine_tok_s": ours, "hf_tok_s": theirs,
+        rows.append({"batch": b, "engine_tok_s": ours, "engine_eager_tok_s": eager, "graphs_vs_eager": ours / eager,
+                     "engine_fp8_tok_s": low, "fp8_vs_bf16": low / ours if low else None,
+                     "hf_tok_s": theirs,
                      "engine_vs_hf": ours / theirs if theirs else None, "bound_tok_s": bound,
                      "frac_of_bound": ours / bound})
-        print(f"batch {b:4d}: engine {ours:10.1f} tok/s   transformers {theirs or float('nan'):10.1f} tok/s   "
+        print(f"batch {b:4d}: engine {ours:10.1f} tok/s (eager {eager:8.1f}, graphs {ours / eager:5.2f}x"
+              + (f", fp8 {low:8.1f} = {low / ours:4.2f}x" if low else "") + f")   transformers {theirs or float('nan'):10.1f} tok/s   "
               f"ratio {rows[-1]['engine_vs_hf'] or float('nan'):5.2f}x   bound {bound:10.1f} tok/s   "
               f"{100 * ours / bound:5.1f}% of bound", flush=True)
-    payload = {"device": str(device), "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+    identical = graphs_bit_identical(model, device, dtype)
+    print(f"CUDA-graph decode == eager decode bit for bit in batch-invariant mode: {identical}", flush=True)
+    payload = {"device": str(device), "graphs_bit_identical_batch_invariant": identical, "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                "dtype": str(dtype), "params": sum(t.numel() for t in unique.values()),
                "prompt": prompt, "new": new, "copy_bandwidth_gbs": bw / 1e9, "rows": rows,
                "transformers": __import__("transformers").__version__ if hf else None, "torch": torch.__version__}

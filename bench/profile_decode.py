@@ -29,6 +29,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--spec", type=int, default=0, help="speculative draft tokens (0: plain decode)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (plain decode steps from Python)")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -39,7 +40,7 @@ def main(argv=None):
     model.init_weights(0)
     model = model.to(dtype).eval().requires_grad_(False)
     engine = Engine(model, max_running=a.batch, context_length=512, eos_token_ids=[0], device=device, dtype=dtype,
-                    speculative_num_steps=a.spec)
+                    speculative_num_steps=a.spec, cuda_graph_max_bs=0 if a.eager or device.type != "cuda" else a.batch)
     for i in range(a.batch):
         engine.submit(Request([1 + (j * 7) % (min(args.vocab_size, 1000) - 1) for j in range(64)], SamplingParams(max_new_tokens=400, ignore_eos=True, sampling_seed=i)))
     for _ in range(5):  # prefill + warm-up decode steps
@@ -56,7 +57,8 @@ def main(argv=None):
             engine.step()
         sync(device)
     keys = prof.key_averages()
-    print(f"wall per step: {per_step * 1e3:.2f} ms (batch {a.batch}, spec {a.spec})")
+    print(f"wall per step: {per_step * 1e3:.2f} ms (batch {a.batch}, spec {a.spec}, "
+          f"{'CUDA graphs' if engine.graphs is not None and device.type == 'cuda' else 'eager'})")
     print(keys.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     if device.type == "cuda":
         print(keys.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))

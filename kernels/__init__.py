@@ -48,7 +48,7 @@ def batch_invariant_mode(enabled: bool = True):
             _state.enabled = previous
 
 
-from kernels.ops import attention, linear, log_softmax, rms_norm, silu, softmax, token_logprobs, topk_indices  # noqa: E402
+from kernels.ops import attention, decode_attention, linear, log_softmax, rms_norm, silu, softmax, token_logprobs, topk_indices  # noqa: E402
 
 __all__ = ["batch_invariant_mode", "is_batch_invariant", "set_batch_invariant", "enable_batch_invariant_mode",
-           "linear", "attention", "rms_norm", "log_softmax", "softmax", "silu", "topk_indices", "token_logprobs"]
+           "linear", "attention", "decode_attention", "rms_norm", "log_softmax", "softmax", "silu", "topk_indices", "token_logprobs"]

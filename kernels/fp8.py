@@ -79,3 +79,53 @@ def error_bound(w: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) ->
     M, N = w.shape
     s = scale_inv.repeat_interleave(block, 0)[:M].repeat_interleave(block, 1)[:, :N]
     return torch.maximum(w.float().abs() * 2.0 ** -4, s * 2.0 ** -10)
+
+
+# ---- FP8 linear layers (W8A8, DeepSeek-V3 / SGLang block scaling) ----------------------------------
+# The weight keeps its 128 x 128 blocks; activations are quantised per token and 128-channel group at
+# run time (scale = amax / 448 of the group), and y = sum over k-blocks of (a_q . w_q) * a_scale *
+# w_scale, accumulated in fp32. The torch reference computes the same sum from the dequantised
+# operands (the products of e4m3 values are exact in fp32; only the order of the fp32 sums differs).
+
+
+def quantize_act_ref(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale fp32 [M, ceil(K/b)]): one scale per token and group."""
+    M, K = x.shape
+    kb = num_blocks(K, block)
+    g = torch.nn.functional.pad(x.float(), (0, kb * block - K)).view(M, kb, block)
+    amax = g.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    q = (g / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.view(M, kb * block)[:, :K].contiguous(), scale
+
+
+def linear_ref(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None = None,
+               block: int = BLOCK) -> torch.Tensor:
+    """y = x W^T (+ bias) with W in blockwise FP8 and x quantised per token group; output in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    q_a, s_a = quantize_act_ref(x2, block)
+    a = q_a.float() * s_a.repeat_interleave(block, 1)[:, : x2.shape[1]]
+    y = a @ dequantize_ref(q_w, s_w, torch.float32, block).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], q_w.shape[0])
+
+
+def has_fp8_gemm(device: torch.device) -> bool:
+    """FP8 tensor cores: NVIDIA compute capability 8.9+ (Ada, Hopper, Blackwell); MI300 (gfx942+) on ROCm."""
+    if device.type != "cuda":
+        return False
+    if torch.version.hip is not None:
+        return "gfx94" in torch.cuda.get_device_properties(device).gcnArchName or \
+            "gfx95" in torch.cuda.get_device_properties(device).gcnArchName
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def linear(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 GEMM on GPUs that have it (Triton, kernels/gpu/fp8_matmul.py); the reference elsewhere."""
+    if use_triton(x) and (not x.is_cuda or has_fp8_gemm(x.device)):
+        from kernels.gpu.fp8_matmul import fp8_linear
+
+        return fp8_linear(x, q_w, s_w, bias)
+    return linear_ref(x, q_w, s_w, bias)

@@ -39,7 +39,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _bi() and use_triton(x):
+    # Inference on GPUs takes the fused kernel in default mode too (one launch instead of eight);
+    # training keeps the torch formula unless batch-invariant mode asks for the kernel.
+    fused_inference = not torch.is_grad_enabled() and weight.dtype == x.dtype
+    if (_bi() or fused_inference) and use_triton(x):
         from kernels.gpu.rms_norm import bi_rms_norm
 
         return bi_rms_norm(x, weight, eps)
@@ -68,6 +71,26 @@ def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature)
 
     logp_MV = log_softmax(scaled_logits(logits_MV, temperature))
     return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
+
+
+def decode_attention(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Tensor, lens_B: torch.Tensor) -> torch.Tensor:
+    """One query per sequence: q[b] attends to keys 0..lens[b]-1 of cache slot b (slots 0..B-1 of the
+    [S, G, T, D] cache, S >= B, any T). Returns [B, H, D]. Key lengths stay on the device (no host sync,
+    same launches for every step: CUDA-graph safe). Batch-invariant mode: the attention kernel above
+    (its bits do not depend on T); default mode on GPUs: the split-key Triton decode kernel."""
+    b = q_BHD.shape[0]
+    k_BGTD, v_BGTD = k_SGTD[:b], v_SGTD[:b]
+    qpos_B1 = (lens_B - 1)[:, None]
+    if _bi():
+        return attention(q_BHD[:, :, None], k_BGTD, v_BGTD, qpos_B1)[:, :, 0]
+    if use_triton(q_BHD):
+        from kernels.gpu.decode_attention import decode_attention_fwd
+
+        return decode_attention_fwd(q_BHD, k_BGTD, v_BGTD, lens_B)
+    mask_B11T = (torch.arange(k_BGTD.shape[2], device=lens_B.device)[None, :] <= qpos_B1)[:, None, None]
+    o = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BGTD, v_BGTD, attn_mask=mask_B11T,
+                                       enable_gqa=q_BHD.shape[1] != k_BGTD.shape[1])
+    return o[:, :, 0]
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

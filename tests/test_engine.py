@@ -16,10 +16,11 @@ from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.rollout.engine.sampling import hash_uniform, sample, truncation_mask
 
 
-def make_engine(model_dir, max_running=8, context=64):
+def make_engine(model_dir, max_running=8, context=64, graph_bs=0, quantization=None):
     _, model = load_model(model_dir)
     return Engine(model, max_running=max_running, context_length=context, eos_token_ids=[0],
-                  device=torch.device("cpu"), dtype=torch.float32)
+                  device=torch.device("cpu"), dtype=torch.float32, cuda_graph_max_bs=graph_bs,
+                  quantization=quantization)
 
 
 def run_all(engine, reqs):
@@ -65,8 +66,11 @@ def test_sampling_does_not_depend_on_batch_composition(dense_dir):
     assert other_seed.output_ids != alone.output_ids
 
 
-def test_more_requests_than_slots_and_compaction(dense_dir):
-    engine = make_engine(dense_dir, max_running=3)
+@pytest.mark.parametrize("graph_bs", [0, 3, 2])
+def test_more_requests_than_slots_and_compaction(dense_dir, graph_bs):
+    """graph_bs > 0: decode batches up to it run as the fixed-shape (CUDA-graph) step, padded to a
+    bucket (batch 3 -> bucket 4 > slots is not made: buckets end at the slot count); larger ones eager."""
+    engine = make_engine(dense_dir, max_running=3, graph_bs=graph_bs)
     reqs = [Request([5 + i % 7] * (1 + i % 4), SamplingParams(max_new_tokens=1 + (i * 5) % 9, ignore_eos=True,
                                                               sampling_seed=i)) for i in range(11)]
     run_all(engine, reqs)
@@ -74,6 +78,27 @@ def test_more_requests_than_slots_and_compaction(dense_dir):
         assert len(r.output_ids) == r.params.max_new_tokens
         ref = full_forward_logprobs(engine.model, r.input_ids, r.output_ids, 1.0)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, rtol=0, atol=2e-5)
+    if graph_bs:
+        assert engine.graphs.replays > 0 and engine.graphs.buckets == [1, 2, graph_bs][:2 + (graph_bs > 2)]
+
+
+def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
+    """The CUDA-graph decode step (padded batch, full-length cache, device-side lengths) gives the eager
+    step's tokens and logprobs bit for bit when the kernels are batch-invariant (true on-policy)."""
+    from kernels import batch_invariant_mode
+
+    def run(graph_bs):
+        engine = make_engine(dense_dir, max_running=6, graph_bs=graph_bs)
+        reqs = [Request([3 + i] * (1 + 2 * i), SamplingParams(max_new_tokens=4 + 3 * i, ignore_eos=True, sampling_seed=i))
+                for i in range(6)]
+        with batch_invariant_mode():
+            run_all(engine, reqs)
+        return engine, [(r.output_ids, r.output_logprobs) for r in reqs]
+
+    eager_engine, eager = run(0)
+    graph_engine, static = run(6)
+    assert graph_engine.graphs.replays >= 15 and eager_engine.graphs is None
+    assert static == eager
 
 
 

@@ -69,16 +69,19 @@ def test_fp8_stream_quantizes_linear_weights_only_and_halves_their_bytes(dense_d
     assert after / before <= 0.5 + 2 * blocks / elems
 
 
-def test_fp8_weight_sync_lands_on_the_engine_bit_exactly(dense_dir, engine_factory):
-    """Scales travel bit-exactly: the engine's weights are exactly q * scale_inv of the trainer's."""
-    eng = engine_factory(dense_dir)
+@pytest.mark.parametrize("sent,engine_quant", [("fp8", None), ("fp8", "fp8"), ("none", "fp8")])
+def test_fp8_weight_sync_lands_on_the_engine_bit_exactly(dense_dir, engine_factory, sent, engine_quant):
+    """Scales travel bit-exactly: the engine's weights are exactly q * scale_inv of the trainer's, whether
+    it dequantises the pairs on receipt (a full-precision engine), keeps them (an FP8 engine), or
+    quantises a full-precision update itself (an FP8 engine fed fp32)."""
+    eng = engine_factory(dense_dir, ["--quantization", engine_quant] if engine_quant else None)
     _, model = load_model(dense_dir)
     g = torch.Generator().manual_seed(3)
     new = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in model.state_dict().items()}
-    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, quantization="fp8"),
+    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, quantization=sent),
                              [EngineClient(eng.url)], torch.device("cpu"), "127.0.0.1")
     sender.connect()
-    stats = sender.send(list(fp8_stream(new.items())), version=1)
+    stats = sender.send(list(fp8_stream(new.items())) if sent == "fp8" else list(new.items()), version=1)
     sender.close()
     c = EngineClient(eng.url)
     for name, w in new.items():
@@ -90,8 +93,37 @@ def test_fp8_weight_sync_lands_on_the_engine_bit_exactly(dense_dir, engine_facto
             want = w
         assert torch.equal(got, want.reshape(-1)), name
     fp32_bytes = sum(t.numel() * 4 for t in new.values())
-    assert stats["bytes"] < 0.6 * fp32_bytes, stats
+    assert (stats["bytes"] < 0.6 * fp32_bytes) == (sent == "fp8"), stats
     assert c.weight_version() == "1"
+
+
+def test_fp8_engine_decodes_with_fp8_gemms(dense_dir):
+    """engine.quantization=fp8: the projections hold e4m3 weights + block scales (half the bytes of
+    bf16), the KV-cache decode matches a full forward of the same FP8 model, and its logprobs differ
+    from the full-precision engine's by FP8's error: visibly, not wildly."""
+    from test_engine import full_forward_logprobs, make_engine, run_all
+
+    from pipeline.rollout.engine.core import Request, SamplingParams
+
+    plain, low = make_engine(dense_dir), make_engine(dense_dir, quantization="fp8")
+    params = dict(low.model.named_parameters())
+    targets = [n for n, p in params.items() if p.dtype == fp8.FP8]
+    assert targets and all(n + SCALE_SUFFIX in params for n in targets)
+    assert params["lm_head.weight"].dtype == torch.float32 and params["model.embed_tokens.weight"].dtype == torch.float32
+    outs = {}
+    for name, engine in (("plain", plain), ("fp8", low)):
+        reqs = [Request(p, SamplingParams(max_new_tokens=10, temperature=1.0, ignore_eos=True, sampling_seed=i))
+                for i, p in enumerate([[5, 6, 7], [8, 9, 10, 11, 12], [14]])]
+        run_all(engine, reqs)
+        for r in reqs:
+            ref = full_forward_logprobs(engine.model, r.input_ids, r.output_ids, 1.0)
+            torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, rtol=0, atol=2e-5)
+        outs[name] = reqs
+    # Score the FP8 engine's tokens with the full-precision model: FP8's own error, nothing more.
+    diffs = [(torch.tensor(r.output_logprobs) - full_forward_logprobs(plain.model, r.input_ids, r.output_ids, 1.0)).abs()
+             for r in outs["fp8"]]
+    worst = float(torch.cat(diffs).max())
+    assert 1e-4 < worst < 0.3, worst
 
 
 def test_fp8_rollouts_train_with_tis_and_show_the_mismatch(tmp_path):
@@ -129,6 +161,8 @@ def test_fp8_config_conflicts_are_refused():
                                                                  "determinism.true_on_policy=true"])
     with pytest.raises(ConfigError, match="engine.quantization=fp8"):
         load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["weights.quantization=fp8", "engine.type=sglang"])
+    with pytest.raises(ConfigError, match="engine.quantization=fp8 and determinism.true_on_policy"):
+        load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["engine.quantization=fp8", "determinism.true_on_policy=true"])
 
 
 # ---- INT4 QAT ----------------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ VARIANTS = {
                              "engine.mem_fraction_static=0.5"],
     "extra_args": ["engine.extra_args=[--disable-radix-cache, --schedule-policy, lpm]"],
     "mtp_nextn": ["model.mtp_num_layers=1", "engine.speculative_algorithm=NEXTN", "engine.speculative_num_steps=2"],
+    "cuda_graph_bs": ["engine.cuda_graph_max_bs=48"],
+    "no_cuda_graph": ["engine.disable_cuda_graph=true"],
 }
 
 
@@ -85,11 +87,15 @@ def test_every_generated_server_command_line_is_accepted_by_sglang_server_args()
                         speculative_num_draft_tokens=3)
         if name == "r3_moe":
             want["enable_return_routed_experts"] = True
+        if name == "cuda_graph_bs":
+            want["cuda_graph_max_bs_decode"] = 48
+        if name == "no_cuda_graph":
+            want.update(cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled")
         cases.append({"argv": argv, "expect": sorted(want)})
         expected.append((name, want))
     results = contract("server_args", cases)
-    for (name, want), got in zip(expected, results):
-        assert got["ok"], f"{name}: SGLang refused {cases[len(expected) - 1]['argv']}: {got['error']}"
+    for (name, want), case, got in zip(expected, cases, results):
+        assert got["ok"], f"{name}: SGLang refused {case['argv']}: {got['error']}"
         assert got["values"] == want, f"{name}: {got['values']} != {want}"
 
 

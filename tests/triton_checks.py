@@ -134,8 +134,62 @@ def check_attention(small):
     return out
 
 
+def check_decode_attention(small):
+    """The split-key decode kernel vs an fp64 reference: several sequences of different lengths in a
+    longer cache with more slots than sequences, forced split counts (one, some empty, many)."""
+    from kernels.gpu.decode_attention import decode_attention_fwd
+
+    out = {}
+    cases = [(3, 4, 2, 16, 150, [1, 70, 150])] if small else [(5, 14, 2, 64, 1100, [1, 63, 64, 65, 1100]),
+                                                           (3, 32, 8, 128, 2048, [2048, 7, 1000]), (1, 16, 16, 64, 300, [300])]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, g, d, t, lens in cases:
+            q = randn(b, h, d, dtype=dtype, seed=1)
+            k, v = randn(b + 2, g, t, d, dtype=dtype, seed=2), randn(b + 2, g, t, d, dtype=dtype, seed=3)
+            lens_B = torch.tensor(lens, device=DEV)
+            mask = (torch.arange(t, device=DEV)[None, :] < lens_B[:, None])[:, None, None]
+            ref = F.scaled_dot_product_attention(q.double()[:, :, None], k[:b].double(), v[:b].double(), attn_mask=mask,
+                                                 enable_gqa=h != g)[:, :, 0]
+            for splits in (None, 1, 3, 40):
+                o = decode_attention_fwd(q, k, v, lens_B, splits=splits)
+                err = rel(o, ref)
+                assert err < TOL[dtype] * 2, (dtype, b, h, g, d, t, splits, err)
+                out[f"{dtype}-b{b}h{h}g{g}d{d}t{t}-p{splits}"] = err
+    return out
+
+
+def check_fp8_matmul(small):
+    """The W8A8 block-scaled GEMM: activation quantisation bit-equal to the torch reference, the GEMM
+    equal to the reference's (dequantise, fp32 matmul) up to fp32 sum order, split-K and not, and
+    within FP8's error of the exact product."""
+    from kernels import fp8
+    from kernels.gpu.fp8_matmul import fp8_linear, quantize_act
+
+    out = {}
+    shapes = [(1, 200, 72), (5, 256, 130), (40, 130, 64), (3, 64, 40)] if small else [(1, 896, 4864), (16, 4864, 896), (64, 896, 1152),
+                                                                       (256, 2048, 6144), (1000, 1024, 4096)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, k, n in shapes:
+            x, w, b = randn(m, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2) * 0.05, randn(n, dtype=dtype, seed=3)
+            q_w, s_w = fp8.quantize(w)
+            if DEV == "cuda":  # the CPU interpreter mis-rounds e4m3 casts that carry (kernels/gpu/fp8_matmul.py)
+                qa, sa = quantize_act(x)
+                rqa, rsa = fp8.quantize_act_ref(x)
+                assert torch.equal(sa, rsa) and torch.equal(qa.view(torch.uint8), rqa.view(torch.uint8)), ("act quant", m, k)
+            for bias in (None, b):
+                y = fp8_linear(x, q_w, s_w, bias)
+                ref = fp8.linear_ref(x, q_w, s_w, bias)
+                err = rel(y, ref)
+                assert y.dtype == dtype and err < TOL[dtype] * 2, (dtype, m, k, n, err)
+                exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                assert rel(y, exact) < 0.08, ("beyond FP8 error", dtype, m, k, n, rel(y, exact))
+            out[f"{dtype}-{m}x{k}x{n}"] = err
+    return out
+
+
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
-          "attention": check_attention}
+          "attention": check_attention, "decode_attention": check_decode_attention,
+          "fp8_matmul": check_fp8_matmul}
 
 
 def main() -> int:

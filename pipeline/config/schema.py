@@ -159,6 +159,14 @@ class EngineCommon:
     decoding (bit-identical in true on-policy mode); only the speed changes."""
     speculative_num_steps: int = 3
     """Draft tokens per verify step (SGLang --speculative-num-steps; eagle topk is 1)."""
+    disable_cuda_graph: bool = False
+    """Run every step eagerly (SGLang's disable_cuda_graph; 0.5.23 spells it --cuda-graph-backend-decode
+    disabled --cuda-graph-backend-prefill disabled, which the launcher passes). By default a GPU engine captures
+    its plain decode step as CUDA graphs per batch bucket at start (dense models; built-in engine:
+    MoE models and speculative steps stay eager)."""
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch run from a CUDA graph (SGLang --cuda-graph-max-bs-decode); larger batches run
+    eagerly. null: max_running_requests for the built-in engine, SGLang's own default for SGLang."""
     colocated: bool = False
     """Engines share GPUs with the trainer: after each step's rollouts they give their memory back
     (/release_memory_occupation: weights and KV cache) while the trainer trains, and take it back for
@@ -167,6 +175,8 @@ class EngineCommon:
     def __post_init__(self):
         _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests,
                   speculative_num_steps=self.speculative_num_steps)
+        if self.cuda_graph_max_bs is not None:
+            _positive("engine", cuda_graph_max_bs=self.cuda_graph_max_bs)
 
 
 @dataclass
@@ -177,6 +187,12 @@ class LocalEngineConfig(EngineCommon):
     """Where the engine runs; auto picks cuda when a GPU is visible."""
     num_threads: int = 1
     """torch intra-op threads of each engine process on CPU."""
+    quantization: Literal["fp8"] | None = None
+    """fp8: attention and MLP projections in blockwise FP8 (e4m3, 128x128 block scales; activations
+    quantised per token and 128 channels) and FP8 GEMMs: Triton on GPUs with FP8 tensor cores (sm89+,
+    MI300), a dequantising torch reference elsewhere (correct, slow). With weights.quantization=fp8
+    the sync's FP8 pairs are kept as sent; otherwise each update is quantised on arrival. SGLang's
+    --quantization fp8 for the built-in engine."""
 
 
 @dataclass
@@ -563,6 +579,9 @@ class RunConfig:
             if self.engine.type == "sglang" and self.engine.quantization != "fp8":
                 raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
                                   " engines too (engine.quantization=fp8)")
+        if self.engine.quantization == "fp8" and self.determinism.true_on_policy:
+            raise ConfigError("engine.quantization=fp8 and determinism.true_on_policy exclude each other: an FP8"
+                              " engine computes other numbers than the trainer by design (use TIS instead)")
         if t.backend == "megatron":
             from pipeline.trainer.megatron.backend import check_config
 

@@ -40,6 +40,12 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     argv += ["--mtp-num-layers", str(cfg.model.mtp_num_layers)]
     if e.speculative_algorithm:
         argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(e.speculative_num_steps)]
+    if e.quantization:
+        argv += ["--quantization", e.quantization]
+    if e.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    if e.cuda_graph_max_bs:
+        argv += ["--cuda-graph-max-bs", str(e.cuda_graph_max_bs)]
     return argv
 
 

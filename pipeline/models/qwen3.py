@@ -24,11 +24,17 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and names) whose matmul goes through kernels.linear.
 
     `weight_transform` (None, or e.g. INT4 fake quantisation for QAT: pipeline/models/qat.py) maps the
-    stored weight to the one the forward uses."""
+    stored weight to the one the forward uses. An FP8 rollout engine's target layers hold an e4m3
+    weight and its block scales instead (pipeline/models/fp8.py)."""
 
     weight_transform = None
+    fp8 = False  # True once pipeline/models/fp8.py gave it an FP8 weight and a `weight_scale_inv`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            from kernels import fp8
+
+            return fp8.linear(x, self.weight, self.weight_scale_inv, self.bias)
         w = self.weight if self.weight_transform is None else self.weight_transform(self.weight)
         return kernels.linear(x, w, self.bias)
 

@@ -67,6 +67,10 @@ def server_argv(cfg: RunConfig, model_path: str, host: str, port: int, api_key: 
         k = e.speculative_num_steps
         argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(k),
                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
+    if e.disable_cuda_graph:  # SGLang 0.5.23 spelling (its --disable-cuda-graph is deprecated)
+        argv += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    if e.cuda_graph_max_bs:
+        argv += ["--cuda-graph-max-bs-decode", str(e.cuda_graph_max_bs)]
     if e.colocated:
         argv += ["--enable-memory-saver"]  # lets /release_memory_occupation hand the GPU to the trainer
     return argv + list(e.extra_args)

@@ -5,24 +5,19 @@ layout: every linear weight inside a decoder layer becomes `...weight` (float8_e
 `...weight_scale_inv` (fp32, one per 128 x 128 block); embeddings, lm_head, norms and MoE routers stay
 in the training dtype (as in FP8 checkpoints). A linear weight then costs 1 byte per element plus 4
 bytes per 16384: half of bf16. `dequantize_fp8_pairs` is the engine side for engines that compute in
-bf16/fp32 (the built-in engine): W = q * scale_inv, the values an FP8 engine computes with.
+bf16/fp32 (a built-in engine without engine.quantization=fp8): W = q * scale_inv, the values an FP8
+engine computes with; a built-in FP8 engine keeps the pairs (pipeline/models/fp8.py).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Iterable, Iterator
 
 import torch
 
 from kernels import fp8
 
-SCALE_SUFFIX = "_scale_inv"
-_LINEAR = re.compile(r"\.layers\.\d+\..*_proj\.weight$")  # attention and MLP/expert projections
-
-
-def is_fp8_target(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and bool(_LINEAR.search(name)) and t.is_floating_point()
+from pipeline.models.fp8 import SCALE_SUFFIX, is_fp8_target  # noqa: F401  (re-exported: senders use them)
 
 
 def fp8_stream(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

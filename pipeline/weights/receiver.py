@@ -122,9 +122,9 @@ class WeightReceiver:
         return True, f"weights updated to version {version}"
 
     def dequantized(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """FP8 updates (weights.quantization=fp8): this engine computes in its own dtype with the FP8
-        values, W = q * scale_inv."""
-        if not any(n.endswith(SCALE_SUFFIX) for n in staged):
+        """FP8 updates (weights.quantization=fp8): an FP8 engine (engine.quantization=fp8) keeps the pairs;
+        any other computes in its own dtype with the FP8 values, W = q * scale_inv."""
+        if self.engine.quantization == "fp8" or not any(n.endswith(SCALE_SUFFIX) for n in staged):
             return staged
         dtypes = {n: p.dtype for n, p in self.engine.model.named_parameters()}
         return dequantize_fp8_pairs(staged, dtypes)

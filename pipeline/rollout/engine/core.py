@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.models.config import ModelArgs
+from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
 from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
@@ -102,9 +103,18 @@ class Engine:
         dtype: torch.dtype,
         max_prefill_tokens: int = 16384,
         speculative_num_steps: int = 0,
+        cuda_graph_max_bs: int = 0,
+        quantization: str | None = None,
     ):
         self.model = model.eval()
         self.args: ModelArgs = model.args
+        self.quantization = quantization
+        if quantization == "fp8":  # FP8 linear layers (pipeline/models/fp8.py)
+            from pipeline.models.fp8 import to_fp8
+
+            to_fp8(self.model)
+        elif quantization is not None:
+            raise ValueError(f"engine quantization {quantization!r}: the built-in engine knows fp8 only")
         self.device, self.dtype = device, dtype
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
@@ -126,6 +136,14 @@ class Engine:
             from pipeline.rollout.engine.speculative import SpecDecoder
 
             self.spec = SpecDecoder(self, speculative_num_steps)
+        # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; dense
+        # models and plain decoding only (graphs.py says why). 0: every step eager.
+        self.graphs = None
+        if cuda_graph_max_bs > 0 and not self.args.is_moe and self.spec is None:
+            from pipeline.rollout.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.cache, min(cuda_graph_max_bs, max_running), device)
+            self.graphs.capture_all()
 
     # ---- client side -------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -255,6 +273,11 @@ class Engine:
     def _decode(self) -> None:
         reqs = self.running
         b = len(reqs)
+        if self.graphs is not None and b <= self.graphs.max_bs:
+            logits = self.graphs.run([r.output_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs])
+            self.stats["decode_tokens"] += b
+            self._sample_and_advance(list(reqs), logits, 0)
+            return
         ctx = CacheAttention(self.cache, list(range(b)), [r.num_tokens - 1 for r in reqs], [1] * b, self.device)
         record = any(r.return_routed_experts for r in reqs)
         logits, routing, _ = self._forward([r.output_ids[-1] for r in reqs], ctx, record,
@@ -320,10 +343,9 @@ class Engine:
         with self.model_lock, torch.no_grad():
             if "weights" in self.released:  # memory comes back; the update fills it
                 self._resume_weights()
-            for name, t in named.items():
-                params[name].copy_(t.to(params[name].dtype))
+            written = load_into(params, named)
             self.weight_version = version
-            self.weights_valid = self.weights_valid or set(params) <= set(named)
+            self.weights_valid = self.weights_valid or set(params) <= written
 
     # ---- memory (colocated runs: the trainer takes the device while the engine sleeps) ---------------
     def release_memory(self, tags: list[str] | None) -> None:
@@ -345,6 +367,8 @@ class Engine:
                 for p in self.model.parameters():
                     p.data.untyped_storage().resize_(0)
                 self.released.add("weights")
+            if self.graphs is not None:  # graphs point at the memory just given back
+                self.graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from pipeline.models.attention import attend_padded
 from pipeline.models.config import ModelArgs
 
@@ -63,6 +64,8 @@ class CacheAttention:
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         kc[self.token_slot, :, self.positions] = k_NKD
         vc[self.token_slot, :, self.positions] = v_NKD
+        if self.q_len == 1 and self.contiguous:  # decode: one query per sequence, lengths on the device
+            return kernels.decode_attention(q_NHD, kc[:, :, : self.kv_len], vc[:, :, : self.kv_len], self.positions + 1)
         if self.contiguous:
             k_BKTD, v_BKTD = kc[: self.batch, :, : self.kv_len], vc[: self.batch, :, : self.kv_len]
         else:

@@ -121,13 +121,20 @@ class EngineServer:
         return HTTPStatus.OK, out if batch else out[0]
 
     def weights_by_name(self, body: dict):
-        """SGLang's debug endpoint: a parameter's values (first `truncate_size` of the flattened tensor)."""
+        """SGLang's debug endpoint: a parameter's values (first `truncate_size` of the flattened tensor).
+        An FP8 weight (engine.quantization=fp8) comes back as q * scale_inv, the values it computes with;
+        its scales are the parameter `<name>_scale_inv`."""
+        from kernels import fp8
+
         params = dict(self.engine.model.named_parameters())
         name = body.get("name")
         if name not in params:
             return HTTPStatus.BAD_REQUEST, {"error": f"no parameter {name!r}"}
         with self.engine.model_lock:
-            flat = params[name].detach().float().flatten().cpu()
+            p = params[name].detach()
+            if p.dtype == fp8.FP8:
+                p = fp8.dequantize(p, params[name + "_scale_inv"].detach())
+            flat = p.float().flatten().cpu()
         n = int(body.get("truncate_size", 100))
         return HTTPStatus.OK, flat[:n].tolist() if n >= 0 else flat.tolist()
 
@@ -288,12 +295,20 @@ def parse_args(argv=None):
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN", "EAGLE"],
                    help="draft with the MTP head and verify (SGLang's flag)")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per verify step")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="blockwise FP8 linear layers and FP8 GEMMs (SGLang's flag)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="every decode step eager (SGLang's flag)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch run from a CUDA graph (default: --max-running-requests; GPU only)")
     p.add_argument("--allow-all-interfaces", action="store_true", help="permit --host 0.0.0.0")
     return p.parse_args(argv)
 
 
 def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
-                 mtp_layers: int | None = None, speculative_num_steps: int = 0):
+                 mtp_layers: int | None = None, speculative_num_steps: int = 0, cuda_graph_max_bs: int | None = None,
+                 quantization: str | None = None):
+    """The engine of a server. cuda_graph_max_bs: None = max_running on a GPU, 0 = none (on CPUs always
+    none: a graph there would only replay the same eager ops)."""
     from pipeline.models.hf_io import load_model
     from pipeline.models.tokenizer import load_tokenizer
 
@@ -301,9 +316,11 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
     tdtype = getattr(torch, dtype)
     _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers)
     tokenizer = load_tokenizer(model_path)
+    graph_bs = 0 if dev.type != "cuda" else (max_running if cuda_graph_max_bs is None else cuda_graph_max_bs)
     engine = Engine(model, max_running=max_running, context_length=context_length,
                     eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
-                    speculative_num_steps=speculative_num_steps)
+                    speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
+                    quantization=quantization)
     return engine, tokenizer
 
 
@@ -311,14 +328,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
-    engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,
-                                     max_running=args.max_running_requests, context_length=args.context_length,
-                                     mtp_layers=args.mtp_num_layers,
-                                     speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0)
-    if args.true_on_policy:
+    if args.true_on_policy:  # before the engine captures its decode graphs: they record these kernels
         from kernels import enable_batch_invariant_mode
 
         enable_batch_invariant_mode()
+    engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,
+                                     max_running=args.max_running_requests, context_length=args.context_length,
+                                     mtp_layers=args.mtp_num_layers,
+                                     speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0,
+                                     cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+                                     quantization=args.quantization)
     serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file,
           args.allow_all_interfaces)
 

@@ -1,0 +1,130 @@
+"""Decode attention in Triton: one query per sequence over its slot of the KV cache, split along the keys.
+
+Layers: `_decode_split_kernel` (one program per (sequence, kv head, key split): all query heads of the
+group against that split's keys, online softmax in fp32), `_decode_combine_kernel` (merges the splits
+by their log-sum-exp), `decode_attention_fwd` (launcher).
+
+The key length of each sequence is read from a device tensor inside the kernel, never from the host,
+and the split count depends only on the batch size: one launch serves every decode step of a batch
+bucket, so the engine can capture it in a CUDA graph (pipeline/rollout/engine/graphs.py). Inference
+only (no autograd), default mode only: batch-invariant runs use kernels/gpu/attention.py, whose
+result does not depend on the split.
+Legend: B sequences, H query heads, G kv heads, S cache slots (>= B), T cache length, D head dim,
+P key splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gpu.attention import INTERPRET
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
+                         sq_b, sq_h, sk_s, sk_g, sk_t, sv_s, sv_g, sv_t, so_b, so_h, so_p, sl_b, sl_h,
+                         P, scale,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """For split p of sequence b and kv head g: o = softmax(q k^T * scale) v over keys [lo, hi) of the
+    split (each split a BLOCK_N-aligned share of keys 0..lens[b]-1), and lse = log sum exp of its scores."""
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    p = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(length, P), BLOCK_N) * BLOCK_N
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, length)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = g * GROUP + rows
+    hmask = rows < GROUP
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        kmask = cols < hi
+        k = tl.load(k_ptr + b * sk_s + g * sk_g + cols[:, None] * sk_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(v_ptr + b * sv_s + g * sv_g + cols[:, None] * sv_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        prob = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m_i = m_new
+    empty = hi <= lo  # a split past the sequence's end: weight 0 in the combine
+    out = tl.where(empty, 0.0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
+    tl.store(o_ptr + b * so_b + heads[:, None] * so_h + p * so_p + offs_d[None, :], out, mask=hmask[:, None])
+    tl.store(lse_ptr + b * sl_b + heads * sl_h + p, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_combine_kernel(o_part_ptr, lse_ptr, out_ptr, so_bh, so_p, sout_b, sout_h, H, P,
+                           P_PAD: tl.constexpr, D: tl.constexpr):
+    """out[b, h] = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    ps = tl.arange(0, P_PAD)
+    offs_d = tl.arange(0, D)
+    pmask = ps < P
+    lse = tl.load(lse_ptr + bh * P + ps, mask=pmask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, axis=0)
+    o = tl.load(o_part_ptr + bh * so_bh + ps[:, None] * so_p + offs_d[None, :], mask=pmask[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + b * sout_b + h * sout_h + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:
+    """Key splits for a batch: enough programs to fill the GPU about twice, none shorter than a block."""
+    want = triton.cdiv(2 * sms, max(1, batch * kv_heads))
+    return int(max(1, min(want, 32, triton.cdiv(max_len, block_n))))
+
+
+def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Tensor, lens_B: torch.Tensor,
+                         splits: int | None = None) -> torch.Tensor:
+    """o[b, h] = attention of query q[b, h] over keys 0..lens[b]-1 of cache slot b (kv head h // (H/G))."""
+    b, h, d = q_BHD.shape
+    g, t = k_SGTD.shape[1], k_SGTD.shape[2]
+    assert d in (16, 32, 64, 128, 256) and h % g == 0 and k_SGTD.shape[0] >= b, (q_BHD.shape, k_SGTD.shape)
+    assert q_BHD.stride(-1) == 1 and k_SGTD.stride(-1) == 1 and v_SGTD.stride(-1) == 1, "head dim must be contiguous"
+    block_n = 64 if d <= 128 else 32
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q_BHD.device).multi_processor_count if q_BHD.is_cuda else 8
+        splits = num_splits(b, g, t, block_n, sms)
+    group = h // g
+    lens = lens_B.to(torch.int32)
+    o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q_BHD.device)
+    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q_BHD.device)
+    _decode_split_kernel[(b, g, splits)](
+        q_BHD, k_SGTD, v_SGTD, lens, o_part, lse,
+        q_BHD.stride(0), q_BHD.stride(1), k_SGTD.stride(0), k_SGTD.stride(1), k_SGTD.stride(2),
+        v_SGTD.stride(0), v_SGTD.stride(1), v_SGTD.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1), splits, d ** -0.5, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
+        UPCAST=INTERPRET, IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    out = torch.empty_like(q_BHD)
+    _decode_combine_kernel[(b * h,)](o_part, lse, out, o_part.stride(1), o_part.stride(2), out.stride(0), out.stride(1),
+                                     h, splits, P_PAD=max(2, triton.next_power_of_2(splits)), D=d, num_warps=1)
+    return out

@@ -51,13 +51,13 @@ def train_flops(args, tokens: int, seq_len: int) -> float:
     return 3 * (linear + attention)
 
 
-def step_time(args, device, seq_len: int, seqs: int, steps: int) -> float:
+def step_time(args, device, seq_len: int, seqs: int, steps: int, fused: bool = False) -> float:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(args).to(device)
     mesh = init_device_mesh(device.type, (1,))
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = shard(model, mesh, compute)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)  # fused: as FSDPBackend on GPUs
     ctx = PackedCausal.from_lengths([seq_len] * seqs, device=device)
     ids, score, targets, adv = packed_batch(args, device, seq_len, seqs)
     t = median_step_time(lambda: model(ids, ctx.positions, ctx, None, logits_at_M=score), targets, adv, model, opt,
@@ -103,14 +103,16 @@ def main(argv=None):
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)
     rows = []
     for name, args, seq_len, seqs in configs:
-        t = step_time(args, device, seq_len, seqs, a.steps)
         tokens = seq_len * seqs
-        achieved = train_flops(args, tokens, seq_len) / t
-        rows.append({"config": name, "tokens_per_step": tokens, "seq_len": seq_len, "step_s": t,
-                     "tokens_per_s": tokens / t, "tflops": achieved / 1e12, "mfu_vs_matmul": achieved / peak})
-        print(f"{name:>10}: {tokens} tokens/step ({seqs} x {seq_len} packed), {t * 1e3:8.1f} ms/step, "
-              f"{tokens / t:10.0f} tok/s, {achieved / 1e12:7.1f} TFLOP/s = {100 * achieved / peak:5.1f}% of the "
-              f"measured matmul rate ({peak / 1e12:.0f} TFLOP/s)", flush=True)
+        for fused in ((False, True) if device.type == "cuda" else (False,)):
+            t = step_time(args, device, seq_len, seqs, a.steps, fused)
+            achieved = train_flops(args, tokens, seq_len) / t
+            rows.append({"config": name, "adamw": "fused" if fused else "foreach", "tokens_per_step": tokens,
+                         "seq_len": seq_len, "step_s": t, "tokens_per_s": tokens / t, "tflops": achieved / 1e12,
+                         "mfu_vs_matmul": achieved / peak})
+            print(f"{name:>10} (AdamW {rows[-1]['adamw']:7s}): {tokens} tokens/step ({seqs} x {seq_len} packed), "
+                  f"{t * 1e3:8.1f} ms/step, {tokens / t:10.0f} tok/s, {achieved / 1e12:7.1f} TFLOP/s = "
+                  f"{100 * achieved / peak:5.1f}% of the measured matmul rate ({peak / 1e12:.0f} TFLOP/s)", flush=True)
     dist.destroy_process_group()
     payload = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                "matmul_tflops": peak / 1e12, "rows": rows, "torch": torch.__version__}

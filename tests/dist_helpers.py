@@ -46,7 +46,7 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
 
 
 def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: str, tp: int, ep: int,
-                    replay: bool) -> None:
+                    replay: bool, sp: bool = False) -> None:
     """In a gloo process: build the megatron backend at (tp, ep), then save its logits on a packed
     batch (with an R3 trace from our model when `replay`), and its gathered full HF state."""
     from pipeline.config import load_config
@@ -62,7 +62,8 @@ def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: 
         cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
                                  "train.global_batch_size=8", "train.backend=megatron",
                                  f"train.tensor_model_parallel_size={tp}", f"train.expert_model_parallel_size={ep}",
-                                 f"determinism.routing_replay={str(replay).lower()}"])
+                                 f"determinism.routing_replay={str(replay).lower()}",
+                                 f"train.sequence_parallel={str(sp).lower()}"])
         b = MegatronBackend(cfg, model_dir, torch.device("cpu"))
         ids, cu, score, trace = megatron_batch(b.args)
         with torch.no_grad():
@@ -70,7 +71,7 @@ def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: 
                 mb = MicroBatch.__new__(MicroBatch)
                 mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
                 b.set_replay(b.model, mb)
-            logits = logits_at(b.model, ids, cu, score)
+            logits = logits_at(b.model, ids, cu, score, b.pad_to)
             b.set_replay(b.model, None) if replay else None
         state = dict(b.full_state())
         if rank == 0:

@@ -53,11 +53,11 @@ def test_qkv_fusion_is_grouped_by_kv_head(dense_dir):
     assert all(torch.equal(a, b) for a, b in zip(unfuse_qkv(fused, args, args.num_key_value_heads), (q, k, v)))
 
 
-def run_megatron(tmp_path, model_dir, world, tp, ep, replay=False):
-    out = tmp_path / f"out_{tp}_{ep}_{replay}.pt"
-    init = tmp_path / f"init_{tp}_{ep}_{replay}"
+def run_megatron(tmp_path, model_dir, world, tp, ep, replay=False, sp=False):
+    out = tmp_path / f"out_{tp}_{ep}_{replay}_{sp}.pt"
+    init = tmp_path / f"init_{tp}_{ep}_{replay}_{sp}"
     mp.start_processes(dist_helpers.megatron_logits, nprocs=world, start_method="spawn",
-                       args=(world, str(init), model_dir, str(out), tp, ep, replay))
+                       args=(world, str(init), model_dir, str(out), tp, ep, replay, sp))
     return torch.load(out)
 
 
@@ -70,22 +70,27 @@ def our_logits(model, replay_trace=None):
         return model(ids, PackedCausal(cu).positions, PackedCausal(cu), routing, logits_at_M=score)
 
 
-@pytest.mark.parametrize("which,world,tp,ep", [("dense_dir", 1, 1, 1), ("moe_dir", 1, 1, 1),
-                                               ("dense_dir", 2, 2, 1), ("moe_dir", 2, 1, 2)])
-def test_megatron_logits_equal_ours_and_weights_gather_back(which, world, tp, ep, request, tmp_path):
+@pytest.mark.parametrize("which,world,tp,ep,sp", [("dense_dir", 1, 1, 1, False), ("moe_dir", 1, 1, 1, False),
+                                                  ("dense_dir", 2, 2, 1, False), ("moe_dir", 2, 1, 2, False),
+                                                  ("dense_dir", 2, 2, 1, True), ("moe_dir", 2, 2, 1, True)])
+def test_megatron_logits_equal_ours_and_weights_gather_back(which, world, tp, ep, sp, request, tmp_path):
+    """sp: sequence parallelism (norms and the residual stream split over TP ranks along the sequence),
+    which also lets megatron run MoE layers under TP (experts TP-sharded)."""
     model_dir = request.getfixturevalue(which)
     _, ours = load_model(model_dir)
-    got = run_megatron(tmp_path, model_dir, world, tp, ep)
+    got = run_megatron(tmp_path, model_dir, world, tp, ep, sp=sp)
     torch.testing.assert_close(got["logits"], our_logits(ours), rtol=0, atol=2e-5)
     for k, v in ours.state_dict().items():  # TP shards and EP experts gathered, converted: exact
         assert torch.equal(got["state"][k], v), k
 
 
-def test_routing_replay_reaches_the_megatron_router(moe_dir, tmp_path):
+@pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 1, True)])
+def test_routing_replay_reaches_the_megatron_router(moe_dir, tmp_path, tp, ep, sp):
     """The trace is not what either router would pick; with replay both follow it, so their logits
-    agree with each other and differ from live routing."""
+    agree with each other and differ from live routing. Under sequence parallelism each TP rank's
+    routers get their own slice of the trace."""
     _, ours = load_model(moe_dir)
-    got = run_megatron(tmp_path, moe_dir, 2, 1, 2, replay=True)
+    got = run_megatron(tmp_path, moe_dir, 2, tp, ep, replay=True, sp=sp)
     replayed = our_logits(ours, replay_trace=True)
     torch.testing.assert_close(got["logits"], replayed, rtol=0, atol=2e-5)
     assert (replayed - our_logits(ours)).abs().max() > 1e-3
@@ -101,9 +106,6 @@ def test_megatron_config_refusals():
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="true_on_policy with tensor parallelism"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "determinism.true_on_policy=true",
-                                          "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
-    with pytest.raises(ConfigError, match="sequence_parallel"):
-        load_config("configs/tiny.yaml", ["train.backend=megatron", "train.sequence_parallel=true",
                                           "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.pipeline_model_parallel_size=2",
@@ -126,6 +128,8 @@ def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
 @pytest.mark.parametrize("variant", [
     ["model.init=tiny-dense", "train.tensor_model_parallel_size=2"],
     ["model.init=tiny-moe", "train.expert_model_parallel_size=2", "determinism.routing_replay=true"],
+    ["model.init=tiny-moe", "train.tensor_model_parallel_size=2", "train.sequence_parallel=true",
+     "determinism.routing_replay=true"],
 ])
 def test_megatron_runs_train_and_resume(variant, tmp_path):
     """Two gloo ranks, megatron backend: the engine's logprobs match the trainer's to fp32 rounding

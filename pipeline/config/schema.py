@@ -246,7 +246,8 @@ class TrainConfig:
     pipeline_model_parallel_size: int = 1
     """megatron: pipeline stages (Miles: --pipeline-model-parallel-size); only 1 is built so far."""
     sequence_parallel: bool = False
-    """megatron: sequence parallelism in the TP group (Miles: --sequence-parallel); needs Transformer Engine."""
+    """megatron: sequence parallelism in the TP group (Miles: --sequence-parallel): norms and the residual
+    stream split along the sequence over TP ranks; needed for MoE models under TP (experts TP-sharded)."""
     num_gpus: int = 1
     """Trainer ranks (GPUs, or gloo processes on CPU) (Miles: --actor-num-gpus-per-node x nodes)."""
     global_batch_size: int = 256

@@ -79,8 +79,6 @@ def check_config(cfg: RunConfig) -> None:
         " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
         "train.recompute_activations": t.recompute_activations,
         "train.pipeline_model_parallel_size > 1 (pipeline parallelism is not built yet)": t.pipeline_model_parallel_size > 1,
-        "train.sequence_parallel without Transformer Engine (megatron's local RMSNorm has no sequence"
-        " parallel path)": t.sequence_parallel and not _has_te(),
     }
     bad = [k for k, v in refuse.items() if v]
     if bad:
@@ -130,11 +128,10 @@ class MegatronBackend:
                               " MoE router and expert combine add in another order (use train.backend=fsdp for"
                               " true on-policy MoE)")
         if self.args.is_moe and self.tp > 1 and not t.sequence_parallel:
-            raise ConfigError("megatron runs MoE layers under tensor parallelism only with train.sequence_parallel"
-                              " (which needs Transformer Engine): use expert parallelism"
-                              " (train.expert_model_parallel_size) for MoE models here")
-        if t.sequence_parallel and not use_te:
-            raise ConfigError("train.sequence_parallel needs Transformer Engine on a GPU")
+            raise ConfigError("megatron runs MoE layers under tensor parallelism only with sequence parallelism:"
+                              " set train.sequence_parallel=true (or use train.expert_model_parallel_size)")
+        self.sp = t.sequence_parallel and self.tp > 1
+        self.pad_to = self.tp if self.sp else 1  # sequence parallel splits the padded length over TP ranks
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
                                     dtype=self.compute_dtype, on_cpu=device.type == "cpu",
                                     routing_replay=self.args.is_moe and cfg.determinism.routing_replay)
@@ -171,7 +168,7 @@ class MegatronBackend:
         if self.args.is_moe and self.cfg.determinism.routing_replay:
             self.set_replay(model, mb if replay and mb.trace_NLk is not None else None)
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            logits_MV = logits_at(model, mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M)
+            logits_MV = logits_at(model, mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M, self.pad_to)
         temp = self.cfg.rollout.rollout_temperature
         logp_M = token_logprobs(logits_MV, mb.targets_M, temp)
         ent_M = entropy(logits_MV, temp) if want_entropy else None
@@ -192,7 +189,7 @@ class MegatronBackend:
                 r.clear_router_replay_action()
             return
 
-        ids, _, _, (seq, pos) = padded_batch(mb.input_ids_N, mb.attn.cu_seqlens)
+        ids, _, _, (seq, pos) = padded_batch(mb.input_ids_N, mb.attn.cu_seqlens, self.pad_to)
         b, t = ids.shape
         trace = mb.trace_NLk.long()
         k = trace.shape[-1]
@@ -200,6 +197,9 @@ class MegatronBackend:
         known = (trace >= 0).all(-1)  # [N, L]
         filled = torch.where(known[..., None], trace, grid[0, 0])
         grid[pos, seq] = filled
+        if self.sp:  # sequence parallel: each TP rank's routers see its own slice of the sequence
+            t //= self.tp
+            grid = grid[self.tp_rank * t:(self.tp_rank + 1) * t]
         assert len(replays) == trace.shape[1], (len(replays), tuple(trace.shape))
         for i, r in enumerate(replays):
             r.clear_indices()

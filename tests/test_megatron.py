@@ -125,16 +125,16 @@ def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
     assert len(rows) == 6 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)
 
 
-@pytest.mark.parametrize("variant", [
-    ["model.init=tiny-dense", "train.tensor_model_parallel_size=2"],
-    ["model.init=tiny-moe", "train.expert_model_parallel_size=2", "determinism.routing_replay=true"],
-    ["model.init=tiny-moe", "train.tensor_model_parallel_size=2", "train.sequence_parallel=true",
-     "determinism.routing_replay=true"],
+@pytest.mark.parametrize("variant,resume", [
+    (["model.init=tiny-dense", "train.tensor_model_parallel_size=2"], True),
+    (["model.init=tiny-moe", "train.expert_model_parallel_size=2", "determinism.routing_replay=true"], False),
+    (["model.init=tiny-moe", "train.tensor_model_parallel_size=2", "train.sequence_parallel=true",
+      "determinism.routing_replay=true"], False),
 ])
-def test_megatron_runs_train_and_resume(variant, tmp_path):
+def test_megatron_runs_train_and_resume(variant, resume, tmp_path):
     """Two gloo ranks, megatron backend: the engine's logprobs match the trainer's to fp32 rounding
-    every step (so the gathered weights reach it intact), the reward rises, and a second invocation
-    resumes from the per-rank DCP checkpoint."""
+    every step (so the gathered weights reach it intact), the reward rises, and (TP=2) a second
+    invocation resumes from the per-rank DCP checkpoint."""
     from test_e2e import lockstep
     from pipeline.observability.metrics import read_metrics
 
@@ -142,10 +142,12 @@ def test_megatron_runs_train_and_resume(variant, tmp_path):
               "checkpoint.save_interval=6", *variant, "logging.plot=false", "--no-progress"]
     res = lockstep("run", *common, "num_rollout=12")
     assert res.returncode == 0, res.stderr[-3000:]
-    res = lockstep("run", *common, "num_rollout=18")
-    assert res.returncode == 0, res.stderr[-3000:]
+    if resume:
+        res = lockstep("run", *common, "num_rollout=18")
+        assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(f"{tmp_path}/run")
-    assert [r["step"] for r in rows][-6:] == list(range(12, 18))
+    if resume:
+        assert [r["step"] for r in rows][-6:] == list(range(12, 18))
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in rows) < 1e-5
     first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
     last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3

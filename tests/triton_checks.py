@@ -180,7 +180,10 @@ def check_fp8_matmul(small):
                 y = fp8_linear(x, q_w, s_w, bias)
                 ref = fp8.linear_ref(x, q_w, s_w, bias)
                 err = rel(y, ref)
-                assert y.dtype == dtype and err < TOL[dtype] * 2, (dtype, m, k, n, err)
+                # Hopper's FP8 MMA adds the products of a k-block in less than fp32 precision (why
+                # DeepSeek-V3 promotes to fp32 every 128 elements, as this kernel does): ~1e-4 there.
+                tol = max(TOL[dtype] * 2, 1e-3 if DEV == "cuda" else 0.0)
+                assert y.dtype == dtype and err < tol, (dtype, m, k, n, err)
                 exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                 assert rel(y, exact) < 0.08, ("beyond FP8 error", dtype, m, k, n, rel(y, exact))
             out[f"{dtype}-{m}x{k}x{n}"] = err

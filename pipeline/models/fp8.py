@@ -47,6 +47,7 @@ def load_into(params: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -
     FP8 weight quantised first, anything else cast to the parameter's dtype. Returns the parameter
     names now written (a quantised weight writes its scale too)."""
     written = set()
+    dst, src = [], []  # same-dtype copies: one multi-tensor copy (a version is ~300 tensors)
     for name, t in named.items():
         p = params[name]
         if p.dtype == fp8.FP8 and t.dtype != fp8.FP8:
@@ -56,7 +57,12 @@ def load_into(params: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -
             written.add(name + SCALE_SUFFIX)
         elif t.dtype == fp8.FP8 and p.dtype != fp8.FP8:
             raise ValueError(f"{name} arrived as FP8 but this engine holds it as {p.dtype}")
+        elif t.dtype == p.dtype and t.device == p.device and t.shape == p.shape:
+            dst.append(p)
+            src.append(t)
         else:
-            p.copy_(t if p.dtype == fp8.FP8 else t.to(p.dtype))
+            p.copy_(t.to(p.dtype))
         written.add(name)
+    if dst:
+        torch._foreach_copy_(dst, src)
     return written

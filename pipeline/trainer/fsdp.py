@@ -48,13 +48,50 @@ def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> f
 
 
 def full_state(model, args, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) of a sharded model one parameter at a time. Collective: every rank
-    must iterate to the end."""
-    for name, p in model.state_dict().items():
-        if args.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        yield name, t.detach().to(dtype or t.dtype)
+    """Yield (HF name, full tensor) of a sharded model. Collective: every rank must iterate to the end.
+
+    When `dtype` is the forward's dtype (FSDP's mixed-precision param_dtype: what the engines compute
+    with), each FSDP unit is unsharded as its forward would (one bucketed all-gather, cast included),
+    copied out into one flat buffer, and resharded; its tensors are views of that buffer. That is one
+    collective and one copy per layer instead of a gather and a cast per parameter. Any other dtype
+    gathers and casts parameter by parameter."""
+    units = [(m, f"model.layers.{i}.") for i, m in enumerate(model.model.layers)]
+    mp_dtype = _param_dtype(model)
+    if dtype is None or mp_dtype is None or dtype != mp_dtype or not hasattr(model, "unshard"):
+        for name, p in model.state_dict().items():
+            if args.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, t.detach().to(dtype or t.dtype)
+        return
+    for module, prefix in [(model, None)] + units:
+        module.unshard()  # not recursive: the root unit holds embeddings, final norm, LM head, MTP head
+        try:
+            if prefix is None:
+                named = [(n, p) for n, p in model.named_parameters() if not n.startswith("model.layers.")]
+            else:
+                named = [(prefix + n, p) for n, p in module.named_parameters()]
+            named = [(n, p) for n, p in named if not (args.tie_word_embeddings and n == "lm_head.weight")]
+            with torch.no_grad():
+                flat = torch.cat([p.detach().reshape(-1) for _, p in named])
+        finally:
+            module.reshard()
+        offset = 0
+        for n, p in named:
+            yield n, flat[offset: offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+
+def _param_dtype(model) -> torch.dtype | None:
+    """The FSDP mixed-precision param_dtype the forward runs in (None: not an FSDP2 model)."""
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is None:
+        return None
+    groups = state()._fsdp_param_groups
+    if not groups:
+        return None
+    param_dtype = groups[0].mp_policy.param_dtype
+    return param_dtype or groups[0].fsdp_params[0].sharded_param.dtype
 
 
 def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: bool = False) -> Qwen3ForCausalLM:

@@ -87,11 +87,14 @@ def _param_dtype(model) -> torch.dtype | None:
     state = getattr(model, "_get_fsdp_state", None)
     if state is None:
         return None
-    groups = state()._fsdp_param_groups
-    if not groups:
-        return None
-    param_dtype = groups[0].mp_policy.param_dtype
-    return param_dtype or groups[0].fsdp_params[0].sharded_param.dtype
+    st = state()  # FSDP2 internals: torch <= 2.11 keeps one `_fsdp_param_group`, later ones a list
+    groups = getattr(st, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g] if (g := getattr(st, "_fsdp_param_group", None)) is not None else []
+    try:
+        return groups[0].mp_policy.param_dtype or groups[0].fsdp_params[0].sharded_param.dtype
+    except (IndexError, AttributeError):
+        return None  # unknown layout: full_state takes the per-parameter path
 
 
 def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: bool = False) -> Qwen3ForCausalLM:

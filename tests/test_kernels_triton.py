@@ -32,7 +32,7 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("name", ["matmul", "rms_norm", "log_softmax", "attention", "decode_attention", "fp8_matmul"])
+@pytest.mark.parametrize("name", ["matmul", "rms_norm", "log_softmax", "attention", "decode_attention", "fp8_matmul", "sampling"])
 def test_triton_kernel(results, name):
     r = results[name]
     assert r["ok"], r.get("trace") or r.get("error")

@@ -190,9 +190,36 @@ def check_fp8_matmul(small):
     return out
 
 
+def check_sampling(small):
+    """The fused Gumbel-max sampler picks exactly the torch path's tokens (same noise, same argmax),
+    greedy rows included, for rows of different seeds, positions and temperatures."""
+    from kernels.gpu.sampling import gumbel_argmax
+    from pipeline.models.logprobs import GREEDY_EPS
+    from pipeline.rollout.engine import sampling
+
+    out = {}
+    shapes = [(5, 3000)] if small else [(1, 151936), (64, 151936), (256, 151936)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, v in shapes:
+            logits = randn(b, v, dtype=dtype, seed=4) * 3
+            temp = torch.tensor([0.0, 1.0, 0.7, 1.3] * b, device=DEV)[:b]
+            seeds = torch.arange(b, device=DEV, dtype=torch.int64) * 7919 + 12345
+            pos = torch.arange(b, device=DEV, dtype=torch.int64) * 3 + 1
+            want = sampling.sample(logits, temp, torch.ones(b, device=DEV), torch.full((b,), -1, device=DEV), seeds, pos) \
+                if not sampling.use_triton(logits) else None
+            if want is None:  # on a GPU sample() itself takes the kernel: compare with its torch body
+                scaled = sampling.scaled_logits(logits, temp)
+                g = -torch.log(-torch.log(sampling.hash_uniform(seeds, pos, v)))
+                want = torch.where((temp < GREEDY_EPS)[:, None], scaled.double(), scaled.double() + g).argmax(-1)
+            got = gumbel_argmax(logits, temp, seeds, pos, GREEDY_EPS)
+            assert torch.equal(got, want), (dtype, b, v, got.tolist()[:8], want.tolist()[:8])
+            out[f"{dtype}-{b}x{v}"] = 0.0
+    return out
+
+
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention,
-          "fp8_matmul": check_fp8_matmul}
+          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling}
 
 
 def main() -> int:

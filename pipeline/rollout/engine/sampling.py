@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
 from pipeline.models.logprobs import GREEDY_EPS, scaled_logits
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
@@ -62,9 +63,14 @@ def sample(
     positions_B: torch.Tensor,
 ) -> torch.Tensor:
     """Next token per row. Rows with temperature ~0 take the argmax."""
-    scaled = scaled_logits(logits_BV, temperature_B)
     truncated_B = (top_p_B < 1.0) | (top_k_B > 0)
-    if bool(truncated_B.any()):
+    truncated = bool(truncated_B.any())
+    if not truncated and use_triton(logits_BV):  # one fused pass on GPUs, the same tokens
+        from kernels.gpu.sampling import gumbel_argmax
+
+        return gumbel_argmax(logits_BV, temperature_B, seeds_B, positions_B, GREEDY_EPS)
+    scaled = scaled_logits(logits_BV, temperature_B)
+    if truncated:
         # Rows that asked for no truncation keep every token: a row's tokens never depend on whether
         # another request in the batch uses top-p/top-k (a mask at p=1 can drop tokens whose
         # cumulative probability rounds to 1).

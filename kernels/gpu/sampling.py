@@ -6,6 +6,9 @@ torch), the counter-based noise of (seed, position, vocab id) (splitmix64 on int
 -log(-log(u)) in fp64, and a running first-index argmax. The torch path materialises a dozen [B, V]
 int64/fp64 temporaries for the same result (at batch 256 and a 152k vocab, ~0.6 GB of memory traffic
 each). Rows that ask for top-p/top-k take the torch path (it sorts).
+
+Opt-in (LOCKSTEP_FUSED_SAMPLING=1) until a GPU run has checked it: `python tests/triton_checks.py
+sampling` (part of bench/gpu_suite.sh checks) is that check; it passes under the CPU interpreter.
 """
 
 from __future__ import annotations

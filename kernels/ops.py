@@ -39,9 +39,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Inference on GPUs takes the fused kernel in default mode too (one launch instead of eight);
-    # training keeps the torch formula unless batch-invariant mode asks for the kernel.
-    fused_inference = not torch.is_grad_enabled() and weight.dtype == x.dtype
+    # The engine (inference mode) on GPUs takes the fused kernel in default mode too (one launch instead
+    # of eight); the trainer, scoring passes included, keeps the torch formula unless batch-invariant
+    # mode asks for the kernel, so its no-grad and training forwards round alike.
+    fused_inference = torch.is_inference_mode_enabled() and weight.dtype == x.dtype
     if (_bi() or fused_inference) and use_triton(x):
         from kernels.gpu.rms_norm import bi_rms_norm
 

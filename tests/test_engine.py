@@ -82,6 +82,27 @@ def test_more_requests_than_slots_and_compaction(dense_dir, graph_bs):
         assert engine.graphs.replays > 0 and engine.graphs.buckets == [1, 2, graph_bs][:2 + (graph_bs > 2)]
 
 
+def test_fixed_shape_decode_survives_a_memory_release(dense_dir):
+    """Released memory takes the captured steps with it (their addresses); after resume + a weight
+    update the steps are made again and decode matches a full forward of the new weights."""
+    engine = make_engine(dense_dir, max_running=4, graph_bs=4)
+    run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True, sampling_seed=1))])
+    assert engine.graphs.steps
+    engine.pause()
+    engine.release_memory(None)
+    assert not engine.graphs.steps
+    engine.resume_memory(None)
+    _, fresh = load_model(dense_dir)
+    new = {n: t + 0.01 for n, t in fresh.state_dict().items()}
+    engine.load_weights(new, "2")
+    reqs = [Request([5 + i, 6], SamplingParams(max_new_tokens=6, ignore_eos=True, sampling_seed=i)) for i in range(3)]
+    run_all(engine, reqs)
+    assert engine.graphs.steps and engine.weight_version == "2"
+    for r in reqs:
+        ref = full_forward_logprobs(engine.model, r.input_ids, r.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, rtol=0, atol=2e-5)
+
+
 def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
     """The CUDA-graph decode step (padded batch, full-length cache, device-side lengths) gives the eager
     step's tokens and logprobs bit for bit when the kernels are batch-invariant (true on-policy)."""

@@ -117,8 +117,8 @@ def has_fp8_gemm(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     if torch.version.hip is not None:
-        return "gfx94" in torch.cuda.get_device_properties(device).gcnArchName or \
-            "gfx95" in torch.cuda.get_device_properties(device).gcnArchName
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        return "gfx94" in arch or "gfx95" in arch
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 

@@ -82,16 +82,11 @@ def decode_attention(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Te
     b = q_BHD.shape[0]
     k_BGTD, v_BGTD = k_SGTD[:b], v_SGTD[:b]
     qpos_B1 = (lens_B - 1)[:, None]
-    if _bi():
-        return attention(q_BHD[:, :, None], k_BGTD, v_BGTD, qpos_B1)[:, :, 0]
-    if use_triton(q_BHD):
+    if not _bi() and use_triton(q_BHD):
         from kernels.gpu.decode_attention import decode_attention_fwd
 
         return decode_attention_fwd(q_BHD, k_BGTD, v_BGTD, lens_B)
-    mask_B11T = (torch.arange(k_BGTD.shape[2], device=lens_B.device)[None, :] <= qpos_B1)[:, None, None]
-    o = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BGTD, v_BGTD, attn_mask=mask_B11T,
-                                       enable_gqa=q_BHD.shape[1] != k_BGTD.shape[1])
-    return o[:, :, 0]
+    return attention(q_BHD[:, :, None], k_BGTD, v_BGTD, qpos_B1)[:, :, 0]
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Batch-invariant causal GQA attention in Triton (forward), for both prefill and KV-cache decode.
 
-Layers: `_bi_attention_kernel` (one program per BLOCK_M queries of one (sequence, head)), `attention_fwd`
+Layers: `online_softmax_step` (one key block, shared with kernels/gpu/decode_attention.py),
+`_bi_attention_kernel` (one program per BLOCK_M queries of one (sequence, head)), `attention_fwd`
 (launcher), `BiAttention` (autograd: backward recomputes through torch's SDPA), `bi_attention`.
 
 Query (b, i) attends to keys 0..qpos[b, i] (queries of a sequence have consecutive positions; padding
@@ -22,6 +23,26 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One key block of an online softmax: scores q k^T * scale where `valid`, the running max m_i,
+    denominator l_i and output accumulator acc rescaled and updated (fp32). Returns (m_i, l_i, acc)."""
+    if IEEE:  # fp32 inputs: true fp32 products, not TF32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -68,20 +89,8 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            if IEEE:  # fp32 inputs: true fp32 products, not TF32
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where((cols[None, :] <= qpos[:, None]) & kmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(q, k, v, (cols[None, :] <= qpos[:, None]) & kmask[None, :],
+                                                m_i, l_i, acc, scale, IEEE)
         out = acc / l_i[:, None]
         tl.store(o_ptr + b * so_b + h * so_h + i[:, None] * so_q + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=rows[:, None])

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu.attention import INTERPRET
+from kernels.gpu.attention import INTERPRET, online_softmax_step
 
 
 @triton.jit
@@ -56,20 +56,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        prob = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(prob, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, kmask[None, :], m_i, l_i, acc, scale, IEEE)
     empty = hi <= lo  # a split past the sequence's end: weight 0 in the combine
     out = tl.where(empty, 0.0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))

@@ -57,7 +57,7 @@ def full_state(model, args, dtype: torch.dtype | None = None) -> Iterator[tuple[
     gathers and casts parameter by parameter."""
     units = [(m, f"model.layers.{i}.") for i, m in enumerate(model.model.layers)]
     mp_dtype = _param_dtype(model)
-    if dtype is None or mp_dtype is None or dtype != mp_dtype or not hasattr(model, "unshard"):
+    if dtype is None or dtype != mp_dtype:
         for name, p in model.state_dict().items():
             if args.tie_word_embeddings and name == "lm_head.weight":
                 continue

@@ -273,16 +273,14 @@ class Engine:
     def _decode(self) -> None:
         reqs = self.running
         b = len(reqs)
+        last, starts = [r.output_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs]
         if self.graphs is not None and b <= self.graphs.max_bs:
-            logits = self.graphs.run([r.output_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs])
-            self.stats["decode_tokens"] += b
-            self._sample_and_advance(list(reqs), logits, 0)
-            return
-        ctx = CacheAttention(self.cache, list(range(b)), [r.num_tokens - 1 for r in reqs], [1] * b, self.device)
-        record = any(r.return_routed_experts for r in reqs)
-        logits, routing, _ = self._forward([r.output_ids[-1] for r in reqs], ctx, record,
-                                        torch.arange(b, device=self.device))
-        self._keep_routing(reqs, [1] * b, routing)
+            logits = self.graphs.run(last, starts)
+        else:
+            ctx = CacheAttention(self.cache, list(range(b)), starts, [1] * b, self.device)
+            record = any(r.return_routed_experts for r in reqs)
+            logits, routing, _ = self._forward(last, ctx, record, torch.arange(b, device=self.device))
+            self._keep_routing(reqs, [1] * b, routing)
         self.stats["decode_tokens"] += b
         self._sample_and_advance(list(reqs), logits, 0)
 

@@ -55,12 +55,11 @@ class _BucketStep:
         self.model, self.bucket = model, bucket
         self.inputs = torch.zeros(2, bucket, dtype=torch.long, device=device)  # token ids, positions
         self.ctx = StaticDecodeAttention(cache, self.inputs[1])
-        self.rows = torch.arange(bucket, device=device)
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def forward(self) -> torch.Tensor:
-        return self.model(self.inputs[0], self.inputs[1], self.ctx, None, logits_at_M=self.rows)
+        return self.model(self.inputs[0], self.inputs[1], self.ctx, None, logits_at_M=self.ctx.rows)
 
     def capture(self, pool) -> None:
         """Warm up (Triton compiles, cuBLAS picks kernels) on a side stream, then capture. Warm-up runs

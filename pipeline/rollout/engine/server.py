@@ -123,8 +123,9 @@ class EngineServer:
     def weights_by_name(self, body: dict):
         """SGLang's debug endpoint: a parameter's values (first `truncate_size` of the flattened tensor).
         An FP8 weight (engine.quantization=fp8) comes back as q * scale_inv, the values it computes with;
-        its scales are the parameter `<name>_scale_inv`."""
+        its scales are the parameter `<name>_scale_inv` (SCALE_SUFFIX)."""
         from kernels import fp8
+        from pipeline.models.fp8 import SCALE_SUFFIX
 
         params = dict(self.engine.model.named_parameters())
         name = body.get("name")
@@ -133,7 +134,7 @@ class EngineServer:
         with self.engine.model_lock:
             p = params[name].detach()
             if p.dtype == fp8.FP8:
-                p = fp8.dequantize(p, params[name + "_scale_inv"].detach())
+                p = fp8.dequantize(p, params[name + SCALE_SUFFIX].detach())
             flat = p.float().flatten().cpu()
         n = int(body.get("truncate_size", 100))
         return HTTPStatus.OK, flat[:n].tolist() if n >= 0 else flat.tolist()

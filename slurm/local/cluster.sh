@@ -87,27 +87,51 @@ EOF
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   local t=$1 what=$2; shift 2
   for _ in $(seq 1 $((t * 5))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
-  say "timed out waiting for $what"; return 1
+  say "timed out after ${t}s waiting for $what"; return 1
 }
 
+# A slow or shared CI disk makes InnoDB's fsyncs the long pole (CI twice timed out waiting for MariaDB):
+# this database holds nothing worth a crash guarantee, so nothing is fsynced. The server's PID is the one
+# launched (mariadbd writes its pid file only once initialised, too late for a stop during start-up).
 start_mariadb() {
   if [ ! -d "$STATE/db/mysql" ]; then
     mariadb-install-db --user=root --datadir="$STATE/db" --auth-root-authentication-method=normal \
       --skip-test-db >"$STATE/log/mariadb-install.log" 2>&1 || { say "mariadb-install-db failed"; return 1; }
   fi
   if ! [ -S "$STATE/mysql.sock" ]; then
-    (setsid mariadbd --no-defaults --user=root --datadir="$STATE/db" --socket="$STATE/mysql.sock" --port="$DB_PORT" \
+    setsid mariadbd --no-defaults --user=root --datadir="$STATE/db" --socket="$STATE/mysql.sock" --port="$DB_PORT" \
        --bind-address=127.0.0.1 --pid-file="$STATE/mariadb.pid" --log-error="$STATE/log/mariadb.log" \
-       --innodb-use-native-aio=0 --skip-name-resolve </dev/null >/dev/null 2>&1 &)
+       --innodb-use-native-aio=0 --skip-name-resolve --skip-log-bin --performance-schema=0 \
+       --innodb-flush-log-at-trx-commit=0 --innodb-doublewrite=0 --innodb-flush-method=nosync \
+       --innodb-buffer-pool-size=64M </dev/null >/dev/null 2>&1 &
+    echo $! > "$STATE/mariadb.launch.pid"
   fi
-  wait_for 60 mariadb mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "select 1"
+  wait_for "${LOCKSTEP_SLURM_DB_WAIT:-120}" mariadb mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "select 1"
 }
 
-start() {
-  install
-  if [ -f "$CONF" ] && scontrol ping >/dev/null 2>&1 && [ "$(sinfo -h -t idle,alloc,mix -o %D 2>/dev/null)" = "$NODES" ]; then
-    say "already up ($CONF)"; return 0
-  fi
+all_idle() { [ "$(sinfo -h -t idle -o %D 2>/dev/null)" = "$NODES" ]; }
+
+# Nodes that registered while slurmctld was still busy can come up DOWN/UNKNOWN: nudge them back.
+wait_idle() {
+  wait_for 40 "idle nodes" all_idle && return 0
+  say "nodes now: $(sinfo -h -N -o '%N:%t' | tr '\n' ' '); resuming them"
+  scontrol update nodename="n[1-$NODES]" state=resume >/dev/null 2>&1 || true
+  for i in $(seq 1 "$NODES"); do
+    [ -f "$STATE/nodes/n$i.pid" ] && kill -0 "$(cat "$STATE/nodes/n$i.pid")" 2>/dev/null || slurmd -f "$CONF" -N "n$i"
+  done
+  wait_for 80 "idle nodes (after resume)" all_idle
+}
+
+dump_logs() {
+  local f
+  for f in "$STATE"/log/*.log; do
+    [ -s "$f" ] || continue
+    echo "----- $f (last 25 lines)" >&2; tail -n 25 "$f" >&2
+  done
+  sinfo -N -l >&2 2>/dev/null || true
+}
+
+start_once() {
   write_configs
   # munge: a key, then the daemon (its own pid file)
   mkdir -p /etc/munge /run/munge /var/log/munge /var/lib/munge
@@ -115,22 +139,39 @@ start() {
   if ! munge -n >/dev/null 2>&1; then
     munged --force --pid-file="$STATE/munged.pid" --socket=/run/munge/munge.socket.2 >/dev/null 2>&1
   fi
-  wait_for 10 munged munge -n
+  wait_for 20 munged munge -n || return 1
   # MariaDB for accounting (bound to loopback, own data dir and port). Native AIO (io_uring/libaio)
   # is off: container seccomp profiles often refuse io_uring, and a test database does not need it.
-  start_mariadb || { stop_pidfile "$STATE/mariadb.pid"; rm -f "$STATE/mysql.sock"; start_mariadb; } || {
-    say "MariaDB did not start; its log:"; tail -n 40 "$STATE/log/mariadb.log" "$STATE/log/mariadb-install.log" >&2 2>/dev/null || true
-    return 1; }
-  mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "create database if not exists slurm_acct_db"
-  slurmdbd  # reads slurmdbd.conf beside $SLURM_CONF
-  wait_for 20 slurmdbd bash -c "exec 3<>/dev/tcp/127.0.0.1/$DBD_PORT"
-  slurmctld -f "$CONF"
-  wait_for 20 slurmctld scontrol ping
-  for i in $(seq 1 "$NODES"); do slurmd -f "$CONF" -N "n$i"; done
-  wait_for 60 "idle nodes" bash -c "[ \"\$(sinfo -h -t idle -o %D)\" = $NODES ]"
+  start_mariadb || return 1
+  mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "create database if not exists slurm_acct_db" || return 1
+  slurmdbd || return 1  # reads slurmdbd.conf beside $SLURM_CONF
+  wait_for 60 slurmdbd bash -c "exec 3<>/dev/tcp/127.0.0.1/$DBD_PORT" || return 1
+  slurmctld -f "$CONF" || return 1
+  wait_for 60 slurmctld scontrol ping || return 1
+  for i in $(seq 1 "$NODES"); do slurmd -f "$CONF" -N "n$i" || return 1; done
+  wait_idle || return 1
   # submitit polls sacct: make sure the cluster is known to accounting
   sacctmgr -i add cluster lockstep >/dev/null 2>&1 || true
-  say "up: $NODES nodes ($(sinfo -h -o '%P %D %t' | tr '\n' ' ')); export SLURM_CONF=$CONF"
+}
+
+# Two attempts; the second from a clean state directory. Each failure prints the daemons' logs.
+start() {
+  install
+  if [ -f "$CONF" ] && scontrol ping >/dev/null 2>&1 && [ "$(sinfo -h -t idle,alloc,mix -o %D 2>/dev/null)" = "$NODES" ]; then
+    say "already up ($CONF)"; return 0
+  fi
+  local attempt t0=$SECONDS
+  for attempt in 1 2; do
+    if start_once; then
+      say "up in $((SECONDS - t0)) s: $NODES nodes ($(sinfo -h -o '%P %D %t' | tr '\n' ' ')); export SLURM_CONF=$CONF"
+      return 0
+    fi
+    say "start attempt $attempt failed after $((SECONDS - t0)) s; the daemons' logs:"
+    dump_logs
+    stop
+    rm -rf "${STATE:?}"/{ctld,nodes,tmp,db,log} "$STATE"/*.pid "$STATE"/*.conf
+  done
+  return 1
 }
 
 stop_pidfile() {
@@ -150,6 +191,8 @@ stop() {
   stop_pidfile "$STATE/slurmctld.pid"
   stop_pidfile "$STATE/slurmdbd.pid"
   stop_pidfile "$STATE/mariadb.pid"
+  stop_pidfile "$STATE/mariadb.launch.pid"
+  rm -f "$STATE/mysql.sock"
   stop_pidfile "$STATE/munged.pid"
   say "stopped"
 }

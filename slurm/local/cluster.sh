@@ -98,7 +98,8 @@ start_mariadb() {
     mariadb-install-db --user=root --datadir="$STATE/db" --auth-root-authentication-method=normal \
       --skip-test-db >"$STATE/log/mariadb-install.log" 2>&1 || { say "mariadb-install-db failed"; return 1; }
   fi
-  if ! [ -S "$STATE/mysql.sock" ]; then
+  if ! db_answers; then
+    rm -f "$STATE/mysql.sock"  # a dead server's socket (a machine restarted, a daemon killed) is not a server
     setsid mariadbd --no-defaults --user=root --datadir="$STATE/db" --socket="$STATE/mysql.sock" --port="$DB_PORT" \
        --bind-address=127.0.0.1 --pid-file="$STATE/mariadb.pid" --log-error="$STATE/log/mariadb.log" \
        --innodb-use-native-aio=0 --skip-name-resolve --skip-log-bin --performance-schema=0 \
@@ -106,8 +107,10 @@ start_mariadb() {
        --innodb-buffer-pool-size=64M </dev/null >/dev/null 2>&1 &
     echo $! > "$STATE/mariadb.launch.pid"
   fi
-  wait_for "${LOCKSTEP_SLURM_DB_WAIT:-120}" mariadb mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "select 1"
+  wait_for "${LOCKSTEP_SLURM_DB_WAIT:-120}" mariadb db_answers
 }
+
+db_answers() { mariadb --no-defaults --socket="$STATE/mysql.sock" -uroot -e "select 1" >/dev/null 2>&1; }
 
 all_idle() { [ "$(sinfo -h -t idle -o %D 2>/dev/null)" = "$NODES" ]; }
 
@@ -154,7 +157,7 @@ start_once() {
   sacctmgr -i add cluster lockstep >/dev/null 2>&1 || true
 }
 
-# Two attempts; the second from a clean state directory. Each failure prints the daemons' logs.
+# Two attempts, each from a clean state directory. Each failure prints the daemons' logs.
 start() {
   install
   if [ -f "$CONF" ] && scontrol ping >/dev/null 2>&1 && [ "$(sinfo -h -t idle,alloc,mix -o %D 2>/dev/null)" = "$NODES" ]; then
@@ -162,23 +165,26 @@ start() {
   fi
   local attempt t0=$SECONDS
   for attempt in 1 2; do
+    # From a clean state: what a killed cluster or a restarted machine left (a dead server's socket,
+    # the controller's saved node states) is what stalled CI's start.
+    stop >/dev/null 2>&1
+    rm -rf "${STATE:?}"/{ctld,nodes,tmp,db,log} "$STATE"/*.pid "$STATE"/*.conf "$STATE"/mysql.sock
     if start_once; then
       say "up in $((SECONDS - t0)) s: $NODES nodes ($(sinfo -h -o '%P %D %t' | tr '\n' ' ')); export SLURM_CONF=$CONF"
       return 0
     fi
     say "start attempt $attempt failed after $((SECONDS - t0)) s; the daemons' logs:"
     dump_logs
-    stop
-    rm -rf "${STATE:?}"/{ctld,nodes,tmp,db,log} "$STATE"/*.pid "$STATE"/*.conf
   done
+  stop
   return 1
 }
 
-stop_pidfile() {
-  local f=$1
+stop_pidfile() {  # stop_pidfile FILE DAEMON: only a live process of that name (a stale file's PID may be reused)
+  local f=$1 name=$2
   [ -f "$f" ] || return 0
   local pid; pid=$(cat "$f")
-  if kill -0 "$pid" 2>/dev/null; then
+  if kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ]; then
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
@@ -187,13 +193,13 @@ stop_pidfile() {
 }
 
 stop() {
-  for f in "$STATE"/nodes/*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
-  stop_pidfile "$STATE/slurmctld.pid"
-  stop_pidfile "$STATE/slurmdbd.pid"
-  stop_pidfile "$STATE/mariadb.pid"
-  stop_pidfile "$STATE/mariadb.launch.pid"
+  for f in "$STATE"/nodes/*.pid; do [ -e "$f" ] && stop_pidfile "$f" slurmd; done
+  stop_pidfile "$STATE/slurmctld.pid" slurmctld
+  stop_pidfile "$STATE/slurmdbd.pid" slurmdbd
+  stop_pidfile "$STATE/mariadb.pid" mariadbd
+  stop_pidfile "$STATE/mariadb.launch.pid" mariadbd
   rm -f "$STATE/mysql.sock"
-  stop_pidfile "$STATE/munged.pid"
+  stop_pidfile "$STATE/munged.pid" munged
   say "stopped"
 }
 

@@ -46,14 +46,13 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
 
 
 def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: str, tp: int, ep: int,
-                    replay: bool, sp: bool = False) -> None:
-    """In a gloo process: build the megatron backend at (tp, ep), then save its logits on a packed
+                    replay: bool, sp: bool = False, pp: int = 1) -> None:
+    """In a gloo process: build the megatron backend at (tp, ep, pp), then save its logits on a packed
     batch (with an R3 trace from our model when `replay`), and its gathered full HF state."""
     from pipeline.config import load_config
     from pipeline.models.attention import PackedCausal
     from pipeline.trainer.batching import MicroBatch
     from pipeline.trainer.megatron.backend import MegatronBackend
-    from pipeline.trainer.megatron.model import logits_at
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -62,20 +61,26 @@ def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: 
         cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
                                  "train.global_batch_size=8", "train.backend=megatron",
                                  f"train.tensor_model_parallel_size={tp}", f"train.expert_model_parallel_size={ep}",
+                                 f"train.pipeline_model_parallel_size={pp}",
                                  f"determinism.routing_replay={str(replay).lower()}",
                                  f"train.sequence_parallel={str(sp).lower()}"])
         b = MegatronBackend(cfg, model_dir, torch.device("cpu"))
         ids, cu, score, trace = megatron_batch(b.args)
-        with torch.no_grad():
-            if replay:
-                mb = MicroBatch.__new__(MicroBatch)
-                mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
-                b.set_replay(b.model, mb)
-            logits = logits_at(b.model, ids, cu, score, b.pad_to)
-            b.set_replay(b.model, None) if replay else None
+        if replay:
+            mb = MicroBatch.__new__(MicroBatch)
+            mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
+            b.set_replay(b.model, mb)
+        (logits,) = b.forward_to_head(b.model, ids, cu, score, lambda lg: (lg.float(),),
+                                      ((score.shape[0], b.args.vocab_size),))
+        # gradients of a loss on the logits, then the global norm; data-parallel ranks (EP) all read this
+        # batch here, and gradients are summed over them
+        (logits.square().mean() / b.dp_size).backward()
+        b.reduce_grads()
+        grad_norm = b.global_grad_sq() ** 0.5
+        b.set_replay(b.model, None) if replay else None
         state = dict(b.full_state())
         if rank == 0:
-            torch.save({"logits": logits, "state": state}, out)
+            torch.save({"logits": logits.detach(), "state": state, "grad_norm": grad_norm}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
-"""The megatron-core backend: weight conversion, logits equal to our model at TP=1/TP=2/EP=2 on gloo,
-R3 replay reaching megatron's router, weights gathered back bit-exactly, and whole runs."""
+"""The megatron-core backend: weight conversion, logits and gradient norms equal to our model's at
+TP=1/TP=2/EP=2/PP=2 on gloo, R3 replay reaching megatron's router, weights gathered back bit-exactly,
+and whole runs."""
 
 from __future__ import annotations
 
@@ -53,34 +54,48 @@ def test_qkv_fusion_is_grouped_by_kv_head(dense_dir):
     assert all(torch.equal(a, b) for a, b in zip(unfuse_qkv(fused, args, args.num_key_value_heads), (q, k, v)))
 
 
-def run_megatron(tmp_path, model_dir, world, tp, ep, replay=False, sp=False):
-    out = tmp_path / f"out_{tp}_{ep}_{replay}_{sp}.pt"
-    init = tmp_path / f"init_{tp}_{ep}_{replay}_{sp}"
+def run_megatron(tmp_path, model_dir, world, tp, ep, replay=False, sp=False, pp=1):
+    out = tmp_path / f"out_{tp}_{ep}_{replay}_{sp}_{pp}.pt"
+    init = tmp_path / f"init_{tp}_{ep}_{replay}_{sp}_{pp}"
     mp.start_processes(dist_helpers.megatron_logits, nprocs=world, start_method="spawn",
-                       args=(world, str(init), model_dir, str(out), tp, ep, replay, sp))
+                       args=(world, str(init), model_dir, str(out), tp, ep, replay, sp, pp))
     return torch.load(out)
 
 
-def our_logits(model, replay_trace=None):
+def our_logits(model, replay_trace=None, grad=False):
     from pipeline.models.attention import PackedCausal
 
     ids, cu, score, trace = dist_helpers.megatron_batch(model.args)
     routing = MoeRouting(trace_NLk=trace, replay=True) if replay_trace else None
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         return model(ids, PackedCausal(cu).positions, PackedCausal(cu), routing, logits_at_M=score)
 
 
-@pytest.mark.parametrize("which,world,tp,ep,sp", [("dense_dir", 1, 1, 1, False), ("moe_dir", 1, 1, 1, False),
-                                                  ("dense_dir", 2, 2, 1, False), ("moe_dir", 2, 1, 2, False),
-                                                  ("dense_dir", 2, 2, 1, True), ("moe_dir", 2, 2, 1, True)])
-def test_megatron_logits_equal_ours_and_weights_gather_back(which, world, tp, ep, sp, request, tmp_path):
+def our_grad_norm(model) -> float:
+    """The global gradient norm of dist_helpers.megatron_logits's loss, on our model."""
+    model.zero_grad()
+    our_logits(model, grad=True).float().square().mean().backward()
+    return sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None) ** 0.5
+
+
+@pytest.mark.parametrize("which,world,tp,ep,sp,pp", [
+    ("dense_dir", 1, 1, 1, False, 1), ("moe_dir", 1, 1, 1, False, 1), ("dense_dir", 2, 2, 1, False, 1),
+    ("moe_dir", 2, 1, 2, False, 1), ("dense_dir", 2, 2, 1, True, 1), ("moe_dir", 2, 2, 1, True, 1),
+    ("dense_dir", 2, 1, 1, False, 2), ("tied_dir", 2, 1, 1, False, 2), ("moe_dir", 2, 1, 1, False, 2)])
+def test_megatron_logits_equal_ours_and_weights_gather_back(which, world, tp, ep, sp, pp, request, tmp_path):
     """sp: sequence parallelism (norms and the residual stream split over TP ranks along the sequence),
-    which also lets megatron run MoE layers under TP (experts TP-sharded)."""
+    which also lets megatron run MoE layers under TP (experts TP-sharded). pp: pipeline stages (each
+    holds half the layers; the tied embedding's copy on the last stage)."""
     model_dir = request.getfixturevalue(which)
     _, ours = load_model(model_dir)
-    got = run_megatron(tmp_path, model_dir, world, tp, ep, sp=sp)
+    got = run_megatron(tmp_path, model_dir, world, tp, ep, sp=sp, pp=pp)
     torch.testing.assert_close(got["logits"], our_logits(ours), rtol=0, atol=2e-5)
-    for k, v in ours.state_dict().items():  # TP shards and EP experts gathered, converted: exact
+    # every shard's gradient counted once in the clip norm (TP-split, TP-replicated, experts, stages)
+    assert got["grad_norm"] == pytest.approx(our_grad_norm(ours), rel=1e-5)
+    expected = {k: v for k, v in ours.state_dict().items()  # a tied lm_head is not sent (HF's layout)
+                if not (k == "lm_head.weight" and ours.args.tie_word_embeddings)}
+    assert set(got["state"]) == set(expected)
+    for k, v in expected.items():  # TP shards, EP experts and pipeline stages gathered, converted: exact
         assert torch.equal(got["state"][k], v), k
 
 
@@ -107,9 +122,55 @@ def test_megatron_config_refusals():
     with pytest.raises(ConfigError, match="true_on_policy with tensor parallelism"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "determinism.true_on_policy=true",
                                           "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size x train.pipeline_model_parallel_size"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.pipeline_model_parallel_size=2",
-                                          "train.num_gpus=2", "train.global_batch_size=256"])
+                                          "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
+
+
+def test_pipeline_stage_split_round_trips(tied_dir):
+    """Each stage keeps its layers (renumbered from 0) and its ends; the tied embedding's copy sits on
+    the last stage as its output layer; the stages' shards put back together are the whole model's."""
+    from pipeline.trainer.megatron.convert import check_parallel, global_names, stage_shard
+
+    args, model = load_model(tied_dir)
+    whole = to_megatron(model.state_dict(), args)
+    n = args.num_hidden_layers
+    halves = [range(0, n // 2), range(n // 2, n)]
+    first, last = stage_shard(whole, args, halves[0], True, False), stage_shard(whole, args, halves[1], False, True)
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+    assert torch.equal(last["output_layer.weight"], whole["embedding.word_embeddings.weight"])
+    assert "decoder.final_layernorm.weight" in last and "decoder.final_layernorm.weight" not in first
+    assert torch.equal(last["decoder.layers.0.input_layernorm.weight"], whole[f"decoder.layers.{n // 2}.input_layernorm.weight"])
+    merged = {**global_names(first, args, halves[0]), **global_names(last, args, halves[1])}
+    assert merged.keys() == whole.keys() and all(torch.equal(merged[k], whole[k]) for k in whole)
+    with pytest.raises(ValueError, match="divisible by pipeline parallel size"):
+        check_parallel(args, 1, 1, n + 1)
+
+
+def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
+    """Two pipeline stages (a tied-embedding MoE model, R3 replay, entropy bonus) against the same run on
+    one rank: the same rewards and losses step by step and bit-identical final weights, so the
+    stages' hand-over (forward and backward), the tied embedding's gradient and the gathered weights
+    are exact. The engine's logprobs agree with the trainer's to fp32 rounding."""
+    from safetensors.torch import load_file
+
+    from conftest import make_model_dir
+    from test_e2e import lockstep
+    from pipeline.observability.metrics import read_metrics
+
+    model_dir = make_model_dir(str(tmp_path / "tied-moe"), "tiny-moe", seed=3, tie=True)
+    runs = {}
+    for pp in (2, 1):
+        res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/pp{pp}", f"model.path={model_dir}",
+                       "train.backend=megatron", f"train.num_gpus={pp}", f"train.pipeline_model_parallel_size={pp}",
+                       "determinism.routing_replay=true", "num_rollout=4", "logging.plot=false", "--no-progress")
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[pp] = read_metrics(f"{tmp_path}/pp{pp}")
+    for a, b in zip(runs[1], runs[2], strict=True):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"] and a["train/loss"] == b["train/loss"], (a, b)
+        assert b["train/rollout_logprob_max_abs_diff"] < 1e-5
+    one, two = (load_file(f"{tmp_path}/pp{pp}/hf/model.safetensors") for pp in (1, 2))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
 def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):

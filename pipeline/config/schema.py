@@ -238,13 +238,14 @@ EngineConfig = LocalEngineConfig | SglangEngineConfig
 class TrainConfig:
     backend: Literal["fsdp", "megatron"] = "fsdp"
     """Training backend: fsdp = FSDP2 (torch.distributed.fsdp.fully_shard); megatron = megatron-core's
-    GPTModel with tensor / expert parallelism (`pip install megatron-core`)."""
+    GPTModel with tensor / pipeline / expert parallelism (`pip install megatron-core`)."""
     tensor_model_parallel_size: int = 1
     """megatron: ranks that split each layer's weights (Miles: --tensor-model-parallel-size)."""
     expert_model_parallel_size: int = 1
     """megatron: ranks that split the MoE experts (Miles: --expert-model-parallel-size)."""
     pipeline_model_parallel_size: int = 1
-    """megatron: pipeline stages (Miles: --pipeline-model-parallel-size); only 1 is built so far."""
+    """megatron: pipeline stages (Miles: --pipeline-model-parallel-size): layers split evenly over them;
+    micro-batches go through the stages one at a time (no 1F1B interleaving yet)."""
     sequence_parallel: bool = False
     """megatron: sequence parallelism in the TP group (Miles: --sequence-parallel): norms and the residual
     stream split along the sequence over TP ranks; needed for MoE models under TP (experts TP-sharded)."""

@@ -1,19 +1,23 @@
-"""The megatron-core training backend: GPTModel with tensor and expert parallelism.
+"""The megatron-core training backend: GPTModel with tensor, pipeline and expert parallelism.
 
 Same interface as the FSDP2 backend (pipeline/trainer/fsdp.py), so the trainer loop, losses and data
 path are shared: `logprobs` on a packed micro-batch, `optimizer_step`, `full_state` in HF names.
 
-Parallel layout: WORLD = TP x DP ranks (train.tensor_model_parallel_size); MoE experts are further
-split over EP ranks inside DP (train.expert_model_parallel_size). The ranks of one TP group read the
-same micro-batches (`dp_rank` / `dp_size` say which data a rank takes). Gradients of dense weights
-are summed over the data-parallel group, those of experts over the expert-data-parallel group
-(megatron's groups). The optimizer is torch AdamW on each rank's shards (megatron's distributed
-optimizer needs CUDA); the gradient norm is the global one over all shards.
+Parallel layout: WORLD = TP x DP x PP ranks (train.tensor_model_parallel_size,
+train.pipeline_model_parallel_size; megatron's order, TP fastest, so rank 0 is on the first stage);
+MoE experts are further split over EP ranks inside DP (train.expert_model_parallel_size). The ranks of
+one TP group and of one pipeline read the same micro-batches (`dp_rank` / `dp_size` say which data a
+rank takes). Pipeline stages hand activations on inside autograd (pipeline/trainer/megatron/stages.py);
+every stage ends a forward with the last stage's logprobs, so the loop's loss code runs on all ranks.
+Gradients of dense weights are summed over the data-parallel group, those of experts over the
+expert-data-parallel group, tied embeddings over the first and last stage (megatron's groups). The
+optimizer is torch AdamW on each rank's shards (megatron's distributed optimizer needs CUDA); the
+gradient norm is the global one over all shards.
 
 Weights come from the HF checkpoint (convert.to_megatron) and go back out through convert.to_hf
 after gathering TP shards and EP experts. R3 replays the engine's experts through megatron's own
-RouterReplay. Checkpoints are torch DCP, one model/optimizer namespace per (tp, ep) rank: resume with
-the same layout.
+RouterReplay. Checkpoints are torch DCP, one model/optimizer namespace per (tp, ep, pp) rank: resume
+with the same layout.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pipeline.errors import ConfigError
 from pipeline.models.hf_io import read_model_args, read_state_dict
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.trainer.batching import MicroBatch
+from pipeline.trainer.megatron import stages
 
 
 class RankNamed(nn.Module):
@@ -47,6 +52,13 @@ class RankNamed(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.gpt(*args, **kwargs)
+
+    @property
+    def post_process(self) -> bool:  # holds the output layer (the last pipeline stage)
+        return self.gpt.post_process
+
+    def set_input_tensor(self, hidden: torch.Tensor) -> None:  # a later pipeline stage's input
+        self.gpt.set_input_tensor(hidden)
 
     # DCP checkpoints (pipeline/trainer/checkpoint.py): tensors only, every key carries the rank's name.
     def dcp_state(self, optimizer, for_load: bool = False) -> tuple[dict, dict]:
@@ -78,18 +90,18 @@ def check_config(cfg: RunConfig) -> None:
         "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
         " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
         "train.recompute_activations": t.recompute_activations,
-        "train.pipeline_model_parallel_size > 1 (pipeline parallelism is not built yet)": t.pipeline_model_parallel_size > 1,
     }
     bad = [k for k, v in refuse.items() if v]
     if bad:
         raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)} yet: use train.backend=fsdp")
-    mp = t.tensor_model_parallel_size
+    mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
     if t.num_gpus % mp:
-        raise ConfigError(f"train.num_gpus ({t.num_gpus}) must be divisible by train.tensor_model_parallel_size ({mp})")
+        raise ConfigError(f"train.num_gpus ({t.num_gpus}) must be divisible by train.tensor_model_parallel_size x"
+                          f" train.pipeline_model_parallel_size ({mp})")
     dp = t.num_gpus // mp
     if dp % t.expert_model_parallel_size:
         raise ConfigError(f"train.expert_model_parallel_size ({t.expert_model_parallel_size}) must divide the data"
-                          f" parallel size num_gpus / tensor_model_parallel_size ({dp})")
+                          f" parallel size num_gpus / (tensor x pipeline model parallel size) ({dp})")
 
 
 class MegatronBackend:
@@ -109,17 +121,18 @@ class MegatronBackend:
         t = cfg.train
         self.cfg, self.device = cfg, device
         self.compute_dtype = getattr(torch, cfg.model.dtype)
-        self.tp, self.ep = t.tensor_model_parallel_size, t.expert_model_parallel_size
+        self.tp, self.ep, self.pp = t.tensor_model_parallel_size, t.expert_model_parallel_size, t.pipeline_model_parallel_size
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(self.tp, 1, expert_model_parallel_size=self.ep)
+            ps.initialize_model_parallel(self.tp, self.pp, expert_model_parallel_size=self.ep)
             model_parallel_cuda_manual_seed(t.seed)
         self.ps = ps
         self.tp_rank, self.ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        self.links = stages.Links(ps)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
         self.args = read_model_args(model_dir)
         try:
-            convert.check_parallel(self.args, self.tp, self.ep)
+            convert.check_parallel(self.args, self.tp, self.ep, self.pp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         use_te = device.type == "cuda" and _has_te()
@@ -134,9 +147,15 @@ class MegatronBackend:
         self.pad_to = self.tp if self.sp else 1  # sequence parallel splits the padded length over TP ranks
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
                                     dtype=self.compute_dtype, on_cpu=device.type == "cpu",
-                                    routing_replay=self.args.is_moe and cfg.determinism.routing_replay)
+                                    routing_replay=self.args.is_moe and cfg.determinism.routing_replay, pp=self.pp)
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        offset = get_transformer_layer_offset(config)
+        self.layers = range(offset, offset + get_num_layers_to_build(config))  # this stage's, global indices
         hf = read_state_dict(model_dir)
-        self.model = self.build(build_gpt(self.args, config, use_te), hf)
+        first, last = self.links.first, self.links.last
+        self.model = self.build(build_gpt(self.args, config, use_te, first, last), hf)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                            weight_decay=t.weight_decay, eps=t.adam_eps)
         total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
@@ -145,34 +164,56 @@ class MegatronBackend:
         self.critic = None
         self.ref_model = None
         if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
-            self.ref_model = self.build(build_gpt(self.args, config, use_te), hf).requires_grad_(False)
+            self.ref_model = self.build(build_gpt(self.args, config, use_te, first, last), hf).requires_grad_(False)
         self.loss_scale = 1.0  # gradients are summed over data-parallel ranks here (FSDP averages)
 
     def build(self, gpt: nn.Module, hf: dict[str, torch.Tensor]) -> RankNamed:
-        from pipeline.trainer.megatron.convert import to_megatron
+        from pipeline.trainer.megatron.convert import stage_shard, to_megatron
 
         shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep)
+        if self.pp > 1:
+            shard = stage_shard(shard, self.args, self.layers, self.links.first, self.links.last)
         missing, unexpected = gpt.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         assert not missing and not unexpected, (missing, unexpected)
-        return RankNamed(gpt.to(self.device), f"tp{self.tp_rank}_ep{self.ep_rank}")
+        name = f"tp{self.tp_rank}_ep{self.ep_rank}" + (f"_pp{self.links.stage}" if self.pp > 1 else "")
+        return RankNamed(gpt.to(self.device), name)
 
     # ---- forward ---------------------------------------------------------------------------------
     def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False,
                  want_mtp: bool = False):
-        from pipeline.trainer.megatron.model import logits_at
-
         model = model or self.model
         if want_mtp:
             raise ConfigError("the megatron backend has no MTP head")
         if self.args.is_moe and self.cfg.determinism.routing_replay:
             self.set_replay(model, mb if replay and mb.trace_NLk is not None else None)
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            logits_MV = logits_at(model, mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M, self.pad_to)
         temp = self.cfg.rollout.rollout_temperature
-        logp_M = token_logprobs(logits_MV, mb.targets_M, temp)
-        ent_M = entropy(logits_MV, temp) if want_entropy else None
-        return logp_M, ent_M, None
+
+        def head(logits_MV):
+            logp_M = token_logprobs(logits_MV, mb.targets_M, temp).float()
+            return (logp_M, entropy(logits_MV, temp).float()) if want_entropy else (logp_M,)
+
+        m = mb.score_pos_M.shape[0]
+        outs = self.forward_to_head(model, mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M, head,
+                                    ((m,), (m,)) if want_entropy else ((m,),))
+        return outs[0], (outs[1] if want_entropy else None), None
+
+    def forward_to_head(self, model, input_ids_N, cu_seqlens, score_pos_M, head, shapes) -> tuple[torch.Tensor, ...]:
+        """`head(logits [M, V])` -> fp32 tensors of `shapes`, on every rank. Under pipeline parallelism the
+        forward runs stage by stage and the last stage's head outputs reach the others (stages.py)."""
+        from pipeline.trainer.megatron.model import logits_at
+
+        links = self.links
+        hidden = stages.from_previous(links, self.device) if not links.first else None
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            out = logits_at(model, input_ids_N, cu_seqlens, score_pos_M, self.pad_to, hidden_TBD=hidden)
+        if not links.last:
+            return stages.to_next(out, links, shapes)
+        outs = head(out)
+        if self.pp > 1:
+            for t in outs:
+                stages.broadcast_from_last(t, t.shape, self.device, links)
+        return outs
 
     def set_replay(self, model: nn.Module, mb: MicroBatch | None) -> None:
         """R3: give `model`'s routers the engine's experts (None: route live again), in the order its
@@ -183,6 +224,7 @@ class MegatronBackend:
         from pipeline.trainer.megatron.model import padded_batch
 
         replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+        # this pipeline stage's layers' routers
         if mb is None:
             for r in replays:
                 r.clear_indices()
@@ -191,7 +233,7 @@ class MegatronBackend:
 
         ids, _, _, (seq, pos) = padded_batch(mb.input_ids_N, mb.attn.cu_seqlens, self.pad_to)
         b, t = ids.shape
-        trace = mb.trace_NLk.long()
+        trace = mb.trace_NLk[:, self.layers.start:self.layers.stop].long()
         k = trace.shape[-1]
         grid = torch.arange(k, device=trace.device).expand(t, b, trace.shape[1], k).clone()
         known = (trace >= 0).all(-1)  # [N, L]
@@ -213,17 +255,7 @@ class MegatronBackend:
     # ---- optimizer --------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[float, bool]:
         """Sum gradients over the data-parallel groups, clip by the global norm, step, zero."""
-        ps = self.ps
-        expert_group = ps.get_expert_data_parallel_group()
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if self.tp > 1 and tp_partial_grad(name, p):
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            expert = ".experts." in name
-            group, size = (expert_group, ps.get_expert_data_parallel_world_size()) if expert else (self.dp_group, self.dp_size)
-            if size > 1:
-                dist.all_reduce(p.grad, group=group)
+        self.reduce_grads()
         norm = math.sqrt(self.global_grad_sq())
         clip = self.cfg.train.clip_grad
         stepped = math.isfinite(norm)
@@ -236,17 +268,38 @@ class MegatronBackend:
         self.optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
+    def reduce_grads(self) -> None:
+        """Every rank's gradients to what the whole batch gives its shards (megatron's finalize_model_grads)."""
+        ps = self.ps
+        expert_group = ps.get_expert_data_parallel_group()
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.pp > 1 and self.args.tie_word_embeddings and (self.links.first or self.links.last):
+            # the first stage's embedding and the last stage's copy of it: one weight, one gradient
+            dist.all_reduce(self.model.gpt.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+        for name, p in self.model.named_parameters():
+            if self.tp > 1 and tp_partial_grad(name, p):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            expert = ".experts." in name
+            group, size = (expert_group, ps.get_expert_data_parallel_world_size()) if expert else (self.dp_group, self.dp_size)
+            if size > 1:
+                dist.all_reduce(p.grad, group=group)
+
     def global_grad_sq(self) -> float:
         """Sum of squared gradients over the whole model: each shard counted once (TP-replicated
-        weights on TP rank 0, data-parallel copies on their group's rank 0)."""
-        from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+        weights on TP rank 0, data-parallel copies on their group's rank 0, a tied embedding on the
+        first pipeline stage). Which weights TP splits is the conversion's rule (convert.tp_sharded):
+        megatron's `tensor_model_parallel` mark is not set on weights it does not initialise."""
+        from pipeline.trainer.megatron.convert import tp_sharded
 
         ps = self.ps
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, p in self.model.named_parameters():
             expert = ".experts." in name
             first_copy = (ps.get_expert_data_parallel_rank() if expert else self.dp_rank) == 0
-            if first_copy and param_is_not_tensor_parallel_duplicate(p):
+            one_tp_copy = self.tp_rank == 0 or tp_sharded(name)
+            if first_copy and one_tp_copy and not getattr(p, "shared", False):
                 total += p.grad.double().pow(2).sum()
         dist.all_reduce(total)
         return float(total)
@@ -258,8 +311,8 @@ class MegatronBackend:
     # ---- weights out -------------------------------------------------------------------------------
     def full_state(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor), on every rank. Collective: TP shards are gathered over the TP group,
-        experts over the EP group, then converted."""
-        from pipeline.trainer.megatron.convert import to_hf
+        experts over the EP group, pipeline stages' layers over the pipeline, then converted."""
+        from pipeline.trainer.megatron.convert import global_names, to_hf
 
         ps = self.ps
         tp_group, ep_group = ps.get_tensor_model_parallel_group(), ps.get_expert_model_parallel_group()
@@ -281,11 +334,31 @@ class MegatronBackend:
                     dist.all_gather(parts, by_tp[r][name].contiguous(), group=ep_group)
                     for e in range(self.ep):
                         shards[e][r][name] = parts[e]
+        if self.pp > 1:
+            shards = self.merge_stages([[global_names(s, self.args, self.layers) for s in row] for row in shards])
         hf = to_hf(shards, self.args)
         for name, t in hf.items():
             if self.args.tie_word_embeddings and name == "lm_head.weight":
                 continue
             yield name, t.to(dtype or t.dtype)
+
+
+    def merge_stages(self, shards: list[list[dict]]) -> list[list[dict]]:
+        """Every stage's part of each (ep, tp) shard, on every stage: names and shapes first, then each
+        tensor broadcast from its stage."""
+        links = self.links
+        meta = {(e, r, k): (tuple(v.shape), v.dtype) for e, row in enumerate(shards) for r, d in enumerate(row)
+                for k, v in d.items()}
+        every = [None] * links.size
+        dist.all_gather_object(every, meta, group=links.group)
+        merged = [[{} for _ in row] for row in shards]
+        for stage, theirs in enumerate(every):
+            for (e, r, k), (shape, dtype) in theirs.items():
+                mine = stage == links.stage
+                buf = shards[e][r][k].contiguous() if mine else torch.empty(shape, dtype=dtype, device=self.device)
+                dist.broadcast(buf, links.ranks[stage], group=links.group)
+                merged[e][r][k] = buf
+        return merged
 
 
 def tp_partial_grad(name: str, p: torch.Tensor) -> bool:

@@ -8,6 +8,9 @@ Pure functions on {name: tensor} dicts. Megatron fuses what HF keeps apart and s
   - experts: rank r of EP holds experts r*E/ep .. (r+1)*E/ep - 1 as local_experts.0..
 `to_megatron` gives one (tp_rank, ep_rank)'s shard; `to_hf` takes every TP rank's shards (for each
 EP rank's experts) and rebuilds the HF dict. Round trips are exact: only slicing and concatenation.
+Pipeline stages: `stage_shard` keeps a stage's layers (renumbered from 0, as megatron names them)
+and ends, `global_names` turns a stage's names back; a tied embedding's copy on the last stage is
+megatron's `output_layer.weight` there.
 
 Legend: D hidden, H heads, G query groups (kv heads), d head dim, F intermediate, E experts.
 """
@@ -44,7 +47,9 @@ def unfuse_qkv(qkv: torch.Tensor, args: ModelArgs, groups: int) -> tuple[torch.T
     return q.reshape(-1, qkv.shape[-1]), k.reshape(-1, qkv.shape[-1]), v.reshape(-1, qkv.shape[-1])
 
 
-def check_parallel(args: ModelArgs, tp: int, ep: int) -> None:
+def check_parallel(args: ModelArgs, tp: int, ep: int, pp: int = 1) -> None:
+    if args.num_hidden_layers % pp:
+        raise ValueError(f"num_hidden_layers ({args.num_hidden_layers}) must be divisible by pipeline parallel size {pp}")
     if args.num_key_value_heads % tp:
         raise ValueError(f"num_key_value_heads ({args.num_key_value_heads}) must be divisible by tensor parallel size {tp}")
     if args.is_moe and args.num_experts % ep:
@@ -86,6 +91,50 @@ def to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, 
             out[m + "mlp.linear_fc1.weight"] = torch.cat((col(hf[h + "mlp.gate_proj.weight"]),
                                                           col(hf[h + "mlp.up_proj.weight"])))
             out[m + "mlp.linear_fc2.weight"] = row(hf[h + "mlp.down_proj.weight"])
+    return out
+
+
+_TP_SPLIT = re.compile(r"(^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2|word_embeddings|output_layer)\.")
+
+
+def tp_sharded(name: str) -> bool:
+    """Whether TP ranks hold different parts of megatron weight `name` (to_megatron's col/row splits);
+    the rest (norms, the router) is the same on every TP rank."""
+    return bool(_TP_SPLIT.search(name))
+
+
+MG_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def stage_shard(shard: dict[str, torch.Tensor], args: ModelArgs, layers: range, first: bool, last: bool
+                ) -> dict[str, torch.Tensor]:
+    """The part of a whole-model shard that one pipeline stage holds, in its own names."""
+    out = {}
+    for name, t in shard.items():
+        m = MG_LAYER.fullmatch(name)
+        if m:
+            i = int(m.group(1))
+            if i in layers:
+                out[f"decoder.layers.{i - layers.start}.{m.group(2)}"] = t
+        elif name.startswith("embedding."):
+            if first:
+                out[name] = t
+            if last and not first and args.tie_word_embeddings:
+                out["output_layer.weight"] = t  # the last stage's copy of the tied embedding
+        elif last:  # final norm, output layer
+            out[name] = t
+    return out
+
+
+def global_names(stage: dict[str, torch.Tensor], args: ModelArgs, layers: range) -> dict[str, torch.Tensor]:
+    """A stage's shard in whole-model names (the inverse of stage_shard); a tied embedding's copy is dropped."""
+    out = {}
+    for name, t in stage.items():
+        m = MG_LAYER.fullmatch(name)
+        if m:
+            out[f"decoder.layers.{int(m.group(1)) + layers.start}.{m.group(2)}"] = t
+        elif not (name == "output_layer.weight" and args.tie_word_embeddings):
+            out[name] = t
     return out
 
 

@@ -33,6 +33,11 @@ def install() -> None:
 
     mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    # Under pipeline parallelism GPTModel copies the tied embedding to the last stage through `.cuda()`;
+    # the backend loads both copies from the checkpoint anyway.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule._is_in_embd_group = lambda self: False
 
 
 class _NoStream:

@@ -4,7 +4,8 @@
 without interleave, no biases; MoE: softmax router over top-k as Qwen3-MoE, no aux loss). The layer
 spec is megatron's local spec, or Transformer Engine's when it imports and the model is on a GPU.
 `logits_at` runs a packed micro-batch (pipeline.trainer.batching.MicroBatch) as a padded [B, T]
-batch with a causal+padding mask and returns the logits at the scored positions.
+batch with a causal+padding mask and returns the logits at the scored positions (under pipeline
+parallelism: one stage's part, pipeline/trainer/megatron/stages.py carries activations between them).
 
 Legend: B sequences, T padded length, N packed tokens, M scored positions, V vocab.
 """
@@ -18,7 +19,7 @@ from pipeline.models.config import ModelArgs
 
 
 def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: bool, dtype: torch.dtype,
-                       on_cpu: bool, routing_replay: bool = False):
+                       on_cpu: bool, routing_replay: bool = False, pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = {}
@@ -38,6 +39,7 @@ def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: 
         activation_func=kernels.silu,  # as pipeline.models (batch invariant when that mode is on)
         add_bias_linear=False, add_qkv_bias=args.attention_bias, qk_layernorm=True, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None,
         sequence_parallel=sequence_parallel and tp > 1, params_dtype=torch.float32, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -62,25 +64,27 @@ def layer_spec(args: ModelArgs, use_te: bool):
     return spec
 
 
-def build_gpt(args: ModelArgs, config, use_te: bool = False):
+def build_gpt(args: ModelArgs, config, use_te: bool = False, first_stage: bool = True, last_stage: bool = True):
+    """GPTModel, or under pipeline parallelism this rank's stage of it: its layers (megatron's even
+    split), the embedding on the first stage, the final norm and output layer on the last."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 without Transformer Engine leaves it undefined
         moe_utils.te_general_gemm = None
 
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from pipeline.trainer.megatron.layers import RMSNorm, patch_linear
 
     patch_linear()
     spec = layer_spec(args, use_te)
     if not use_te:  # the final norm too
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * args.num_hidden_layers, layer_norm=RMSNorm)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
     return GPTModel(config, spec, vocab_size=args.vocab_size,
                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                     rotary_base=int(args.rope_theta), share_embeddings_and_output_weights=args.tie_word_embeddings,
-                    parallel_output=False)
+                    parallel_output=False, pre_process=first_stage, post_process=last_stage)
 
 
 def padded_batch(input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, pad_to: int = 1):
@@ -101,8 +105,14 @@ def padded_batch(input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, pad_to: in
 
 
 def logits_at(model, input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, score_pos_M: torch.Tensor,
-              pad_to: int = 1) -> torch.Tensor:
-    """Logits [M, V] of the packed stream's positions `score_pos_M` (full vocab on every TP rank)."""
+              pad_to: int = 1, hidden_TBD: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [M, V] of the packed stream's positions `score_pos_M` (full vocab on every TP rank). Under
+    pipeline parallelism `model` is one stage: a later stage takes the previous one's output
+    `hidden_TBD`, and a stage before the last returns its hidden states [T, B, D] instead."""
     ids, positions, mask, (seq, pos) = padded_batch(input_ids_N, cu_seqlens, pad_to)
-    logits_BTV = model(ids, positions, mask)
-    return logits_BTV[seq[score_pos_M], pos[score_pos_M]]
+    if hidden_TBD is not None:
+        model.set_input_tensor(hidden_TBD)
+    out = model(ids, positions, mask)
+    if not model.post_process:
+        return out
+    return out[seq[score_pos_M], pos[score_pos_M]]

@@ -168,8 +168,10 @@ def test_r3_replays_in_activation_recompute(moe_dir):
 
 
 def test_two_runs_same_weights_and_kill_resume(tmp_path):
+    """Same command, same weights; a run SIGKILLed after a checkpoint and rerun ends bit-identical too.
+    PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well."""
     common = ["rollout_batch_size=8", "global_batch_size=64", "logging.plot=false", "checkpoint.save_interval=2",
-              "--no-progress", "num_rollout=8"]
+              "--no-progress", "num_rollout=8", "algo.advantage_estimator=ppo"]
     for name in ("a", "b"):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
         assert res.returncode == 0, res.stderr[-3000:]

@@ -1,12 +1,13 @@
 """Checkpoints: torch DCP for model + optimizer + scheduler, a JSON record of everything else.
 
-Layout: run_dir/checkpoints/step_000012/ with DCP files and trainer_state.json (step, weight
-version, data cursor, RNG). A checkpoint is written under a temp name and renamed only when complete,
+Layout: run_dir/checkpoints/step_000012/ with DCP files (the policy and its optimizer; PPO's critic
+and its optimizer) and trainer_state.json (step, weight version, data cursor, RNG). A checkpoint is written under a temp name and renamed only when complete,
 so a kill during save leaves the previous one valid; the last `keep_last` are kept.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -21,6 +22,7 @@ from pipeline.errors import is_storage_failure, storage_error
 from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json
 
 STATE_NAME = "trainer_state.json"
+log = logging.getLogger("lockstep.checkpoint")
 
 
 def ckpt_root(run_dir: str) -> str:
@@ -47,8 +49,9 @@ def latest_checkpoint(run_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
-def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep_last: int) -> str:
-    """Collective. `step` is the number of completed rollout steps."""
+def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep_last: int,
+         critic: tuple | None = None) -> str:
+    """Collective. `step` is the number of completed rollout steps; `critic`: (model, optimizer)."""
     final = ckpt_dir(run_dir, step)
     tmp = os.path.join(ckpt_root(run_dir), f".step_{step:06d}.tmp")
     rank = dist.get_rank()
@@ -58,11 +61,15 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep
             os.makedirs(tmp)
         dist.barrier()
         model_sd, optim_sd = _state_dicts(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        entries = {"model": model_sd, "optim": optim_sd}
+        if critic is not None:
+            entries["critic"], entries["critic_optim"] = _state_dicts(*critic)
+        dcp.save(entries, checkpoint_id=tmp)
         dist.barrier()
         time.sleep(faults.slow_checkpoint_s(step))  # fault injection: a window to kill a save in
         if rank == 0:
-            full = dict(state, step=step, scheduler=scheduler.state_dict(), torch_rng=torch.get_rng_state().tolist())
+            full = dict(state, step=step, scheduler=scheduler.state_dict(), torch_rng=torch.get_rng_state().tolist(),
+                        has_critic=critic is not None)
             atomic_write_json(os.path.join(tmp, STATE_NAME), full)
             if os.path.exists(final):
                 shutil.rmtree(final)
@@ -80,22 +87,33 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, state: dict, keep
     return final
 
 
-def load(run_dir: str, step: int, model, optimizer, scheduler) -> dict:
-    """Collective. Restores model, optimizer and scheduler in place; returns the trainer state record."""
+def load(run_dir: str, step: int, model, optimizer, scheduler, critic: tuple | None = None) -> dict:
+    """Collective. Restores model, optimizer and scheduler (and the critic: (model, optimizer)) in place;
+    returns the trainer state record."""
     path = ckpt_dir(run_dir, step)
+    record = read_json(os.path.join(path, STATE_NAME))
     model_sd, optim_sd = _state_dicts(model, optimizer, for_load=True)
     state = {"model": model_sd, "optim": optim_sd}
+    if critic is not None and record.get("has_critic"):
+        state["critic"], state["critic_optim"] = _state_dicts(*critic, for_load=True)
+    elif critic is not None:
+        log.warning("checkpoint step %d holds no critic (written before critics were saved): it starts afresh", step)
     dcp.load(state, checkpoint_id=path)
-    if hasattr(model, "load_dcp_state"):
-        model.load_dcp_state(optimizer, state["model"], state["optim"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    record = read_json(os.path.join(path, STATE_NAME))
+    _restore(model, optimizer, state["model"], state["optim"])
+    if "critic" in state:
+        _restore(*critic, state["critic"], state["critic_optim"])
     scheduler.load_state_dict(record["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
     torch.set_rng_state(torch.tensor(record["torch_rng"], dtype=torch.uint8))
     return record
+
+
+def _restore(model, optimizer, model_sd: dict, optim_sd: dict) -> None:
+    if hasattr(model, "load_dcp_state"):
+        model.load_dcp_state(optimizer, model_sd, optim_sd)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 def _state_dicts(model, optimizer, for_load: bool = False):

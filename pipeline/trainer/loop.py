@@ -133,7 +133,7 @@ class Trainer:
         if latest is None:
             return 0
         b = self.backend
-        record = checkpoint.load(self.layout.root, latest, b.model, b.optimizer, b.scheduler)
+        record = checkpoint.load(self.layout.root, latest, b.model, b.optimizer, b.scheduler, critic=self.critic_pair())
         log.info("resumed from checkpoint step %d", latest)
         return int(record["step"])
 
@@ -415,7 +415,12 @@ class Trainer:
     def save(self, done_steps: int) -> None:
         b = self.backend
         checkpoint.save(self.layout.root, done_steps, b.model, b.optimizer, b.scheduler,
-                        {"weight_version": done_steps}, self.cfg.checkpoint.keep_last)
+                        {"weight_version": done_steps}, self.cfg.checkpoint.keep_last, critic=self.critic_pair())
+
+    def critic_pair(self) -> tuple | None:
+        """PPO's critic and its optimizer, checkpointed with the policy (a resumed run continues its values)."""
+        b = self.backend
+        return (b.critic, b.critic_optimizer) if b.critic is not None else None
 
     def finish(self) -> None:
         if self.cfg.checkpoint.export_hf:

@@ -14,7 +14,8 @@ expert-data-parallel group, tied embeddings over the first and last stage (megat
 optimizer is torch AdamW on each rank's shards (megatron's distributed optimizer needs CUDA); the
 gradient norm is the global one over all shards.
 
-Weights come from the HF checkpoint (convert.to_megatron) and go back out through convert.to_hf
+PPO's critic (`values`) is the same GPTModel with a scalar value head (layers.ValueHead) as its
+output layer. Weights come from the HF checkpoint (convert.to_megatron) and go back out through convert.to_hf
 after gathering TP shards and EP experts. R3 replays the engine's experts through megatron's own
 RouterReplay. Checkpoints are torch DCP, one model/optimizer namespace per (tp, ep, pp) rank: resume
 with the same layout.
@@ -84,7 +85,8 @@ class RankNamed(nn.Module):
 def check_config(cfg: RunConfig) -> None:
     t = cfg.train
     refuse = {
-        "algo.advantage_estimator=ppo (a critic)": cfg.algo.advantage_estimator == "ppo",
+        "algo.advantage_estimator=ppo with pipeline parallelism (the policy's and the critic's stage hand-overs"
+        " would share one backward)": cfg.algo.advantage_estimator == "ppo" and t.pipeline_model_parallel_size > 1,
         "train.int4_qat": t.int4_qat,
         "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
         "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
@@ -161,22 +163,47 @@ class MegatronBackend:
         total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, t.lr_warmup_steps, total, t.lr_decay_style, t.min_lr / t.lr))
-        self.critic = None
+        self.critic = self.critic_optimizer = None
+        if cfg.algo.advantage_estimator == "ppo":
+            self.critic, self.critic_optimizer = self.build_critic(use_te, hf)
         self.ref_model = None
         if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
             self.ref_model = self.build(build_gpt(self.args, config, use_te, first, last), hf).requires_grad_(False)
         self.loss_scale = 1.0  # gradients are summed over data-parallel ranks here (FSDP averages)
 
-    def build(self, gpt: nn.Module, hf: dict[str, torch.Tensor]) -> RankNamed:
+    def build_critic(self, use_te: bool, hf: dict[str, torch.Tensor]):
+        """PPO's critic: the policy's backbone (from the same checkpoint) with a zero-initialised scalar
+        value head in place of the output layer, routing live. Trained and checkpointed, never exported."""
+        from pipeline.trainer.megatron.layers import ValueHead
+        from pipeline.trainer.megatron.model import build_gpt, transformer_config
+
+        t = self.cfg.train
+        config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
+                                    dtype=self.compute_dtype, on_cpu=self.device.type == "cpu", pp=self.pp)
+        gpt = build_gpt(self.args, config, use_te, self.links.first, self.links.last)
+        gpt.output_layer = ValueHead(self.args.hidden_size, sequence_parallel=self.sp)
+        hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
+        critic = self.build(gpt, hf, prefix="critic_", head=("output_layer.weight", "output_layer.bias"))
+        opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr, betas=(t.adam_beta1, t.adam_beta2),
+                                eps=t.adam_eps)
+        return critic, opt
+
+    def values(self, mb: MicroBatch) -> torch.Tensor:
+        """V(s_t) [M] at every scored position (the state before each response token)."""
+        m = mb.score_pos_M.shape[0]
+        return self.forward_to_head(self.critic, mb.input_ids_N, mb.attn.cu_seqlens, mb.score_pos_M,
+                                    lambda v_M1: (v_M1[:, 0].float(),), ((m,),))[0]
+
+    def build(self, gpt: nn.Module, hf: dict[str, torch.Tensor], prefix: str = "", head: tuple = ()) -> RankNamed:
         from pipeline.trainer.megatron.convert import stage_shard, to_megatron
 
-        shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep)
+        shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep, lm_head="lm_head.weight" in hf)
         if self.pp > 1:
             shard = stage_shard(shard, self.args, self.layers, self.links.first, self.links.last)
         missing, unexpected = gpt.load_state_dict(shard, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing = [k for k in missing if not k.endswith("_extra_state") and k not in head]
         assert not missing and not unexpected, (missing, unexpected)
-        name = f"tp{self.tp_rank}_ep{self.ep_rank}" + (f"_pp{self.links.stage}" if self.pp > 1 else "")
+        name = prefix + f"tp{self.tp_rank}_ep{self.ep_rank}" + (f"_pp{self.links.stage}" if self.pp > 1 else "")
         return RankNamed(gpt.to(self.device), name)
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -255,30 +282,40 @@ class MegatronBackend:
     # ---- optimizer --------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[float, bool]:
         """Sum gradients over the data-parallel groups, clip by the global norm, step, zero."""
-        self.reduce_grads()
-        norm = math.sqrt(self.global_grad_sq())
-        clip = self.cfg.train.clip_grad
+        norm = self.clipped_norm(self.model)
         stepped = math.isfinite(norm)
         if stepped:
-            if clip > 0 and norm > clip:
-                for p in self.model.parameters():
-                    p.grad.mul_(clip / (norm + 1e-6))
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:  # PPO: the critic steps with the policy, on its own clip norm
+            if stepped and math.isfinite(self.clipped_norm(self.critic)):
+                self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
-    def reduce_grads(self) -> None:
+    def clipped_norm(self, model: nn.Module) -> float:
+        """Reduce `model`'s gradients, clip them to train.clip_grad by the global norm; the norm before."""
+        self.reduce_grads(model)
+        norm = math.sqrt(self.global_grad_sq(model))
+        clip = self.cfg.train.clip_grad
+        if math.isfinite(norm) and clip > 0 and norm > clip:
+            for p in model.parameters():
+                p.grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def reduce_grads(self, model: nn.Module | None = None) -> None:
         """Every rank's gradients to what the whole batch gives its shards (megatron's finalize_model_grads)."""
+        model = model or self.model
         ps = self.ps
         expert_group = ps.get_expert_data_parallel_group()
-        for p in self.model.parameters():
+        for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.pp > 1 and self.args.tie_word_embeddings and (self.links.first or self.links.last):
             # the first stage's embedding and the last stage's copy of it: one weight, one gradient
-            dist.all_reduce(self.model.gpt.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
-        for name, p in self.model.named_parameters():
+            dist.all_reduce(model.gpt.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+        for name, p in model.named_parameters():
             if self.tp > 1 and tp_partial_grad(name, p):
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
             expert = ".experts." in name
@@ -286,7 +323,7 @@ class MegatronBackend:
             if size > 1:
                 dist.all_reduce(p.grad, group=group)
 
-    def global_grad_sq(self) -> float:
+    def global_grad_sq(self, model: nn.Module | None = None) -> float:
         """Sum of squared gradients over the whole model: each shard counted once (TP-replicated
         weights on TP rank 0, data-parallel copies on their group's rank 0, a tied embedding on the
         first pipeline stage). Which weights TP splits is the conversion's rule (convert.tp_sharded):
@@ -295,7 +332,7 @@ class MegatronBackend:
 
         ps = self.ps
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
+        for name, p in (model or self.model).named_parameters():
             expert = ".experts." in name
             first_copy = (ps.get_expert_data_parallel_rank() if expert else self.dp_rank) == 0
             one_tp_copy = self.tp_rank == 0 or tp_sharded(name)

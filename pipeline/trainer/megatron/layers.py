@@ -87,3 +87,22 @@ def patch_linear() -> None:
     linear.warned = original.warned  # megatron keeps a one-time warning flag on the function
     layers.linear_with_grad_accumulation_and_async_allreduce = linear
     layers._lockstep_patched = True
+
+
+class ValueHead(nn.Module):
+    """PPO's critic head in GPTModel's `output_layer` place: hidden [s, b, D] -> values [s, b, 1], the
+    same on every TP rank (replicated weights). Under sequence parallelism the rank's slice of the
+    sequence is gathered first; backward keeps the rank's own slice of the (replicated) gradient."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.sequence_parallel = sequence_parallel  # GPTModel reads it
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return kernels.linear(hidden, self.weight, self.bias), None

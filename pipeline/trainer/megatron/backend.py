@@ -87,7 +87,6 @@ def check_config(cfg: RunConfig) -> None:
     refuse = {
         "algo.advantage_estimator=ppo with pipeline parallelism (the policy's and the critic's stage hand-overs"
         " would share one backward)": cfg.algo.advantage_estimator == "ppo" and t.pipeline_model_parallel_size > 1,
-        "train.int4_qat": t.int4_qat,
         "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
         "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
         " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
@@ -137,7 +136,7 @@ class MegatronBackend:
             convert.check_parallel(self.args, self.tp, self.ep, self.pp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        use_te = device.type == "cuda" and _has_te()
+        use_te = device.type == "cuda" and _has_te() and not t.int4_qat  # QAT hooks megatron's own linear layers
         if self.args.is_moe and cfg.determinism.true_on_policy:
             raise ConfigError("train.backend=megatron is bit-exact with the engine for dense models only: megatron's"
                               " MoE router and expert combine add in another order (use train.backend=fsdp for"
@@ -158,6 +157,8 @@ class MegatronBackend:
         hf = read_state_dict(model_dir)
         first, last = self.links.first, self.links.last
         self.model = self.build(build_gpt(self.args, config, use_te, first, last), hf)
+        if t.int4_qat:
+            self.enable_int4_qat()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                            weight_decay=t.weight_decay, eps=t.adam_eps)
         total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
@@ -170,6 +171,18 @@ class MegatronBackend:
         if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
             self.ref_model = self.build(build_gpt(self.args, config, use_te, first, last), hf).requires_grad_(False)
         self.loss_scale = 1.0  # gradients are summed over data-parallel ranks here (FSDP averages)
+
+    def enable_int4_qat(self) -> None:
+        from pipeline.trainer.fsdp import int4_scale_dtype
+        from pipeline.trainer.megatron.layers import mark_int4_qat
+
+        if not self.args.is_moe:
+            raise ConfigError("train.int4_qat quantizes MoE expert weights, and this model has none"
+                              " (model.init=tiny-moe, or a Qwen3-MoE checkpoint)")
+        try:
+            mark_int4_qat(self.model, self.cfg.train.int4_group_size, int4_scale_dtype(self.cfg))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def build_critic(self, use_te: bool, hf: dict[str, torch.Tensor]):
         """PPO's critic: the policy's backbone (from the same checkpoint) with a zero-initialised scalar

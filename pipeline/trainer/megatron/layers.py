@@ -70,7 +70,8 @@ class _InvariantLinear(torch.autograd.Function):
 
 def patch_linear() -> None:
     """Route megatron's parallel linear layers through kernels.linear while batch-invariant mode is on
-    (TP=1 only: no gradient all-reduce happens in the replacement)."""
+    (TP=1 only: no gradient all-reduce happens in the replacement), and a weight marked by
+    `mark_int4_qat` through the INT4 fake quantiser (straight-through gradient)."""
     from megatron.core.tensor_parallel import layers
 
     if getattr(layers, "_lockstep_patched", False):
@@ -78,6 +79,11 @@ def patch_linear() -> None:
     original = layers.linear_with_grad_accumulation_and_async_allreduce
 
     def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, *args, **kwargs):
+        qat = getattr(weight, "lockstep_int4", None)
+        if qat is not None:
+            from kernels import int4
+
+            weight = int4.fake_quant(weight, *qat)
         if kernels.is_batch_invariant():
             assert not allreduce_dgrad and not sequence_parallel, "batch-invariant megatron layers need TP=1"
             return _InvariantLinear.apply(input, weight, bias)
@@ -87,6 +93,22 @@ def patch_linear() -> None:
     linear.warned = original.warned  # megatron keeps a one-time warning flag on the function
     layers.linear_with_grad_accumulation_and_async_allreduce = linear
     layers._lockstep_patched = True
+
+
+def mark_int4_qat(model: nn.Module, group_size: int, scale_dtype: torch.dtype) -> int:
+    """INT4 QAT of the MoE experts' projections (as pipeline/models/qat.py for our model): their
+    forward uses fake_quant(W). Groups run along each shard's input dimension, which is HF's (fc1 =
+    [gate; up] rows over D; fc2 = down's columns, a TP rank's F / TP of them), so the values equal
+    the whole weight's quantisation when the group size divides the shard. Returns how many."""
+    n = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name and name.endswith(("linear_fc1.weight", "linear_fc2.weight")):
+            if p.shape[1] % group_size:
+                raise ValueError(f"train.int4_group_size {group_size} does not divide {name}'s input size"
+                                 f" {p.shape[1]} on this rank")
+            p.lockstep_int4 = (group_size, scale_dtype)
+            n += 1
+    return n
 
 
 class ValueHead(nn.Module):

@@ -122,9 +122,6 @@ def test_megatron_config_refusals():
     with pytest.raises(ConfigError, match="true_on_policy with tensor parallelism"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "determinism.true_on_policy=true",
                                           "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
-    with pytest.raises(ConfigError, match="ppo with pipeline parallelism"):
-        load_config("configs/tiny.yaml", ["train.backend=megatron", "train.pipeline_model_parallel_size=2",
-                                          "train.num_gpus=2", "algo.advantage_estimator=ppo"])
     with pytest.raises(ConfigError, match="tensor_model_parallel_size x train.pipeline_model_parallel_size"):
         load_config("configs/tiny.yaml", ["train.backend=megatron", "train.pipeline_model_parallel_size=2",
                                           "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
@@ -175,10 +172,11 @@ def test_pipeline_stage_split_round_trips(tied_dir):
 
 
 def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
-    """Two pipeline stages (a tied-embedding MoE model, R3 replay, entropy bonus) against the same run on
-    one rank: the same rewards and losses step by step and bit-identical final weights, so the
-    stages' hand-over (forward and backward), the tied embedding's gradient and the gathered weights
-    are exact. The engine's logprobs agree with the trainer's to fp32 rounding."""
+    """Two pipeline stages (a tied-embedding MoE model, R3 replay, entropy bonus, PPO: the critic's stage
+    hand-overs share the policy's backward) against the same run on one rank: the same rewards, losses
+    and value losses step by step and bit-identical final weights, so the stages' hand-over (forward
+    and backward), the tied embedding's gradient and the gathered weights are exact. The engine's
+    logprobs agree with the trainer's to fp32 rounding."""
     from safetensors.torch import load_file
 
     from conftest import make_model_dir
@@ -190,11 +188,13 @@ def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
     for pp in (2, 1):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/pp{pp}", f"model.path={model_dir}",
                        "train.backend=megatron", f"train.num_gpus={pp}", f"train.pipeline_model_parallel_size={pp}",
-                       "determinism.routing_replay=true", "num_rollout=4", "logging.plot=false", "--no-progress")
+                       "determinism.routing_replay=true", "algo.advantage_estimator=ppo", "num_rollout=4",
+                       "logging.plot=false", "--no-progress")
         assert res.returncode == 0, res.stderr[-3000:]
         runs[pp] = read_metrics(f"{tmp_path}/pp{pp}")
     for a, b in zip(runs[1], runs[2], strict=True):
-        assert a["rollout/reward_mean"] == b["rollout/reward_mean"] and a["train/loss"] == b["train/loss"], (a, b)
+        for key in ("rollout/reward_mean", "train/loss", "train/value_loss"):
+            assert a[key] == b[key], (key, a, b)
         assert b["train/rollout_logprob_max_abs_diff"] < 1e-5
     one, two = (load_file(f"{tmp_path}/pp{pp}/hf/model.safetensors") for pp in (1, 2))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)

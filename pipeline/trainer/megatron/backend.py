@@ -85,8 +85,6 @@ class RankNamed(nn.Module):
 def check_config(cfg: RunConfig) -> None:
     t = cfg.train
     refuse = {
-        "algo.advantage_estimator=ppo with pipeline parallelism (the policy's and the critic's stage hand-overs"
-        " would share one backward)": cfg.algo.advantage_estimator == "ppo" and t.pipeline_model_parallel_size > 1,
         "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
         "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
         " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
@@ -194,9 +192,11 @@ class MegatronBackend:
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
                                     dtype=self.compute_dtype, on_cpu=self.device.type == "cpu", pp=self.pp)
         gpt = build_gpt(self.args, config, use_te, self.links.first, self.links.last)
-        gpt.output_layer = ValueHead(self.args.hidden_size, sequence_parallel=self.sp)
+        if self.links.last:
+            gpt.output_layer = ValueHead(self.args.hidden_size, sequence_parallel=self.sp)
         hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
         critic = self.build(gpt, hf, prefix="critic_", head=("output_layer.weight", "output_layer.bias"))
+        critic.links = stages.Links(self.ps, own_groups=True)  # its hand-overs share the policy's backward
         opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr, betas=(t.adam_beta1, t.adam_beta2),
                                 eps=t.adam_eps)
         return critic, opt
@@ -213,6 +213,7 @@ class MegatronBackend:
         shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep, lm_head="lm_head.weight" in hf)
         if self.pp > 1:
             shard = stage_shard(shard, self.args, self.layers, self.links.first, self.links.last)
+        shard = {k: v for k, v in shard.items() if k not in head}  # a head of its own (the critic's)
         missing, unexpected = gpt.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and k not in head]
         assert not missing and not unexpected, (missing, unexpected)
@@ -243,7 +244,8 @@ class MegatronBackend:
         forward runs stage by stage and the last stage's head outputs reach the others (stages.py)."""
         from pipeline.trainer.megatron.model import logits_at
 
-        links = self.links
+        links = getattr(model, "links", None) or self.links
+        stages.flush()
         hidden = stages.from_previous(links, self.device) if not links.first else None
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             out = logits_at(model, input_ids_N, cu_seqlens, score_pos_M, self.pad_to, hidden_TBD=hidden)
@@ -320,12 +322,14 @@ class MegatronBackend:
     def reduce_grads(self, model: nn.Module | None = None) -> None:
         """Every rank's gradients to what the whole batch gives its shards (megatron's finalize_model_grads)."""
         model = model or self.model
+        stages.flush()  # backward's gradient sends
         ps = self.ps
         expert_group = ps.get_expert_data_parallel_group()
         for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.pp > 1 and self.args.tie_word_embeddings and (self.links.first or self.links.last):
+        tied = self.args.tie_word_embeddings and model is not self.critic  # the critic's head is its own
+        if self.pp > 1 and tied and (self.links.first or self.links.last):
             # the first stage's embedding and the last stage's copy of it: one weight, one gradient
             dist.all_reduce(model.gpt.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
         for name, p in model.named_parameters():

@@ -102,3 +102,46 @@ def megatron_batch(args):
         trace = torch.stack([torch.randperm(args.num_experts, generator=g)[:k] for _ in range(n * len(args.moe_layers))])
         trace = trace.view(n, len(args.moe_layers), k).to(torch.int16)
     return ids, ctx.cu_seqlens, score, trace
+
+
+def megatron_grads(rank: int, world: int, init_file: str, model_dir: str, out: str, recompute: bool) -> None:
+    """In a gloo process: one forward + backward of the megatron backend on megatron_batch (R3 replay for
+    MoE), with or without activation recompute; saves the gradients and how many layer forwards ran
+    under megatron's activation checkpoint."""
+    from megatron.core import tensor_parallel
+
+    from pipeline.config import load_config
+    from pipeline.models.attention import PackedCausal
+    from pipeline.trainer.batching import MicroBatch
+    from pipeline.trainer.megatron.backend import MegatronBackend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
+                                 "train.global_batch_size=8", "train.backend=megatron",
+                                 "determinism.routing_replay=true", f"train.recompute_activations={str(recompute).lower()}"])
+        b = MegatronBackend(cfg, model_dir, torch.device("cpu"))
+        calls = []
+        original = tensor_parallel.random.CheckpointFunction.forward
+
+        def counted(ctx, *args):
+            calls.append(1)
+            return original(ctx, *args)
+
+        tensor_parallel.random.CheckpointFunction.forward = staticmethod(counted)
+        ids, cu, score, trace = megatron_batch(b.args)
+        mb = MicroBatch.__new__(MicroBatch)
+        mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
+        if b.args.is_moe:
+            b.set_replay(b.model, mb)
+        (logits,) = b.forward_to_head(b.model, ids, cu, score, lambda lg: (lg.float(),),
+                                      ((score.shape[0], b.args.vocab_size),))
+        logits.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in b.model.named_parameters()}
+        if rank == 0:
+            torch.save({"grads": grads, "checkpointed": len(calls)}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

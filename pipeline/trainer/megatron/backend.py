@@ -88,7 +88,6 @@ def check_config(cfg: RunConfig) -> None:
         "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
         "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
         " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
-        "train.recompute_activations": t.recompute_activations,
     }
     bad = [k for k, v in refuse.items() if v]
     if bad:
@@ -146,7 +145,8 @@ class MegatronBackend:
         self.pad_to = self.tp if self.sp else 1  # sequence parallel splits the padded length over TP ranks
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
                                     dtype=self.compute_dtype, on_cpu=device.type == "cpu",
-                                    routing_replay=self.args.is_moe and cfg.determinism.routing_replay, pp=self.pp)
+                                    routing_replay=self.args.is_moe and cfg.determinism.routing_replay, pp=self.pp,
+                                    recompute=t.recompute_activations)
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 

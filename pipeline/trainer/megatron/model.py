@@ -19,7 +19,7 @@ from pipeline.models.config import ModelArgs
 
 
 def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: bool, dtype: torch.dtype,
-                       on_cpu: bool, routing_replay: bool = False, pp: int = 1):
+                       on_cpu: bool, routing_replay: bool = False, pp: int = 1, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = {}
@@ -40,6 +40,8 @@ def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: 
         add_bias_linear=False, add_qkv_bias=args.attention_bias, qk_layernorm=True, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None,
+        # activation checkpointing of every layer (Miles: --recompute-granularity full --recompute-method uniform)
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
         sequence_parallel=sequence_parallel and tp > 1, params_dtype=torch.float32, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -45,13 +46,10 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
         dist.destroy_process_group()
 
 
-def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: str, tp: int, ep: int,
-                    replay: bool, sp: bool = False, pp: int = 1) -> None:
-    """In a gloo process: build the megatron backend at (tp, ep, pp), then save its logits on a packed
-    batch (with an R3 trace from our model when `replay`), and its gathered full HF state."""
+@contextlib.contextmanager
+def megatron_backend(rank: int, world: int, init_file: str, model_dir: str, overrides: list[str]):
+    """The megatron backend on CPU in this gloo process (its process group ended on exit)."""
     from pipeline.config import load_config
-    from pipeline.models.attention import PackedCausal
-    from pipeline.trainer.batching import MicroBatch
     from pipeline.trainer.megatron.backend import MegatronBackend
 
     torch.set_num_threads(1)
@@ -59,19 +57,37 @@ def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: 
                             timeout=datetime.timedelta(seconds=120))
     try:
         cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
-                                 "train.global_batch_size=8", "train.backend=megatron",
-                                 f"train.tensor_model_parallel_size={tp}", f"train.expert_model_parallel_size={ep}",
-                                 f"train.pipeline_model_parallel_size={pp}",
-                                 f"determinism.routing_replay={str(replay).lower()}",
-                                 f"train.sequence_parallel={str(sp).lower()}"])
-        b = MegatronBackend(cfg, model_dir, torch.device("cpu"))
-        ids, cu, score, trace = megatron_batch(b.args)
-        if replay:
-            mb = MicroBatch.__new__(MicroBatch)
-            mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
-            b.set_replay(b.model, mb)
-        (logits,) = b.forward_to_head(b.model, ids, cu, score, lambda lg: (lg.float(),),
-                                      ((score.shape[0], b.args.vocab_size),))
+                                 "train.global_batch_size=8", "train.backend=megatron", *overrides])
+        yield MegatronBackend(cfg, model_dir, torch.device("cpu"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def megatron_forward(b, replay: bool) -> torch.Tensor:
+    """Logits [M, V] of megatron_batch on every rank (with its R3 trace set when `replay`)."""
+    from pipeline.models.attention import PackedCausal
+    from pipeline.trainer.batching import MicroBatch
+
+    ids, cu, score, trace = megatron_batch(b.args)
+    if replay:
+        mb = MicroBatch.__new__(MicroBatch)
+        mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
+        b.set_replay(b.model, mb)
+    return b.forward_to_head(b.model, ids, cu, score, lambda lg: (lg.float(),),
+                             ((score.shape[0], b.args.vocab_size),))[0]
+
+
+def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: str, tp: int, ep: int,
+                    replay: bool, sp: bool = False, pp: int = 1) -> None:
+    """In a gloo process: build the megatron backend at (tp, ep, pp), then save its logits on a packed
+    batch (with an R3 trace from our model when `replay`), the global gradient norm of a loss on them,
+    and its gathered full HF state."""
+    overrides = [f"train.tensor_model_parallel_size={tp}", f"train.expert_model_parallel_size={ep}",
+                 f"train.pipeline_model_parallel_size={pp}", f"determinism.routing_replay={str(replay).lower()}",
+                 f"train.sequence_parallel={str(sp).lower()}"]
+    with megatron_backend(rank, world, init_file, model_dir, overrides) as b:
+        logits = megatron_forward(b, replay)
         # gradients of a loss on the logits, then the global norm; data-parallel ranks (EP) all read this
         # batch here, and gradients are summed over them
         (logits.square().mean() / b.dp_size).backward()
@@ -81,9 +97,28 @@ def megatron_logits(rank: int, world: int, init_file: str, model_dir: str, out: 
         state = dict(b.full_state())
         if rank == 0:
             torch.save({"logits": logits.detach(), "state": state, "grad_norm": grad_norm}, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+
+def megatron_grads(rank: int, world: int, init_file: str, model_dir: str, out: str, recompute: bool) -> None:
+    """In a gloo process: one forward + backward of the megatron backend on megatron_batch (R3 replay for
+    MoE), with or without activation recompute; saves the gradients and how many layer forwards ran
+    under megatron's activation checkpoint."""
+    from megatron.core import tensor_parallel
+
+    overrides = ["determinism.routing_replay=true", f"train.recompute_activations={str(recompute).lower()}"]
+    with megatron_backend(rank, world, init_file, model_dir, overrides) as b:
+        calls = []
+        original = tensor_parallel.random.CheckpointFunction.forward
+
+        def counted(ctx, *args):
+            calls.append(1)
+            return original(ctx, *args)
+
+        tensor_parallel.random.CheckpointFunction.forward = staticmethod(counted)
+        megatron_forward(b, replay=b.args.is_moe).square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in b.model.named_parameters()}
+        if rank == 0:
+            torch.save({"grads": grads, "checkpointed": len(calls)}, out)
 
 
 def megatron_batch(args):
@@ -103,45 +138,3 @@ def megatron_batch(args):
         trace = trace.view(n, len(args.moe_layers), k).to(torch.int16)
     return ids, ctx.cu_seqlens, score, trace
 
-
-def megatron_grads(rank: int, world: int, init_file: str, model_dir: str, out: str, recompute: bool) -> None:
-    """In a gloo process: one forward + backward of the megatron backend on megatron_batch (R3 replay for
-    MoE), with or without activation recompute; saves the gradients and how many layer forwards ran
-    under megatron's activation checkpoint."""
-    from megatron.core import tensor_parallel
-
-    from pipeline.config import load_config
-    from pipeline.models.attention import PackedCausal
-    from pipeline.trainer.batching import MicroBatch
-    from pipeline.trainer.megatron.backend import MegatronBackend
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
-                                 "train.global_batch_size=8", "train.backend=megatron",
-                                 "determinism.routing_replay=true", f"train.recompute_activations={str(recompute).lower()}"])
-        b = MegatronBackend(cfg, model_dir, torch.device("cpu"))
-        calls = []
-        original = tensor_parallel.random.CheckpointFunction.forward
-
-        def counted(ctx, *args):
-            calls.append(1)
-            return original(ctx, *args)
-
-        tensor_parallel.random.CheckpointFunction.forward = staticmethod(counted)
-        ids, cu, score, trace = megatron_batch(b.args)
-        mb = MicroBatch.__new__(MicroBatch)
-        mb.input_ids_N, mb.attn, mb.score_pos_M, mb.trace_NLk = ids, PackedCausal(cu), score, trace
-        if b.args.is_moe:
-            b.set_replay(b.model, mb)
-        (logits,) = b.forward_to_head(b.model, ids, cu, score, lambda lg: (lg.float(),),
-                                      ((score.shape[0], b.args.vocab_size),))
-        logits.square().mean().backward()
-        grads = {n: p.grad.clone() for n, p in b.model.named_parameters()}
-        if rank == 0:
-            torch.save({"grads": grads, "checkpointed": len(calls)}, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

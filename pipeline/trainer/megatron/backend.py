@@ -190,7 +190,8 @@ class MegatronBackend:
 
         t = self.cfg.train
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
-                                    dtype=self.compute_dtype, on_cpu=self.device.type == "cpu", pp=self.pp)
+                                    dtype=self.compute_dtype, on_cpu=self.device.type == "cpu", pp=self.pp,
+                                    recompute=t.recompute_activations)
         gpt = build_gpt(self.args, config, use_te, self.links.first, self.links.last)
         if self.links.last:
             gpt.output_layer = ValueHead(self.args.hidden_size, sequence_parallel=self.sp)

@@ -229,8 +229,9 @@ def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
     assert len(rows) == 6 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)
 
 
-@pytest.mark.parametrize("variant,resume", [  # EP=2 MoE training: test_lowprec's megatron INT4 QAT run
+@pytest.mark.parametrize("variant,resume", [
     (["model.init=tiny-dense", "train.tensor_model_parallel_size=2"], True),
+    (["model.init=tiny-moe", "train.expert_model_parallel_size=2", "determinism.routing_replay=true"], False),
     (["model.init=tiny-moe", "train.tensor_model_parallel_size=2", "train.sequence_parallel=true",
       "determinism.routing_replay=true"], False),
 ])

@@ -43,7 +43,7 @@ def graphs_bit_identical(model, device, dtype) -> bool:
     """In batch-invariant mode the CUDA-graph decode gives the eager decode's tokens and logprobs bit
     for bit: 8 requests of different prompt and output lengths (the batch shrinks through the buckets),
     graphs dropped after 6 steps and captured again mid-run (what a memory release does)."""
-    from kernels import batch_invariant_mode
+    from lockstep_kernels import batch_invariant_mode
     from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 
     def run(graph_bs):

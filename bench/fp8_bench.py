@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
-from kernels import fp8  # noqa: E402
+from lockstep_kernels import fp8  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.rollout.engine.core import Engine  # noqa: E402
@@ -49,7 +49,7 @@ def measure(name, args, device, copy_gbps) -> dict:
     linear = {n: t for n, t in state.items() if is_fp8_target(n, t)}
     row = {"model": name, "params_M": sum(t.numel() for t in state.values()) / 1e6}
     if device.type == "cuda":
-        from kernels.gpu.fp8 import quantize_blockwise
+        from lockstep_kernels.gpu.fp8 import quantize_blockwise
 
         mism_q = mism_s = 0
         for t in linear.values():

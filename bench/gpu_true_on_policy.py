@@ -18,7 +18,7 @@ import torch
 
 from common import device_info, qwen3_0p5b, write
 
-import kernels
+import lockstep_kernels as kernels
 from pipeline.models.attention import PackedCausal
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM

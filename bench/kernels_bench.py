@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from common import bench, device_info, qwen3_0p5b, write
 
-import kernels
-from kernels.gpu.attention import bi_attention
-from kernels.gpu.log_softmax import bi_log_softmax
-from kernels.gpu.matmul import bi_linear
-from kernels.gpu.rms_norm import bi_rms_norm
+import lockstep_kernels as kernels
+from lockstep_kernels.gpu.attention import bi_attention
+from lockstep_kernels.gpu.log_softmax import bi_log_softmax
+from lockstep_kernels.gpu.matmul import bi_linear
+from lockstep_kernels.gpu.rms_norm import bi_rms_norm
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
         add(f"linear {m}x{k}x{n}", lambda: F.linear(x, w), lambda: bi_linear(x, w), 2 * m * k * n)
     x = torch.randn(8192, 896, device=dev, dtype=dt)
     wn = torch.ones(896, device=dev, dtype=dt)
-    from kernels.torch_ref import rms_norm as torch_rms
+    from lockstep_kernels.torch_ref import rms_norm as torch_rms
 
     add("rms_norm 8192x896", lambda: torch_rms(x, wn, 1e-6), lambda: bi_rms_norm(x, wn, 1e-6))
     logits = torch.randn(2048, 151936, device=dev, dtype=dt)

@@ -13,7 +13,7 @@ import torch
 
 from common import bench, device_info, write
 
-from kernels.gpu.log_softmax import bi_token_logprob
+from lockstep_kernels.gpu.log_softmax import bi_token_logprob
 
 
 def naive(logits, t, temp):

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import kernels  # noqa: E402
+import lockstep_kernels as kernels  # noqa: E402
 from bench.common import generate, qwen3_0p5b, write  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
 from pipeline.models.config import tiny_preset  # noqa: E402

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import torch_ref
+import lockstep_kernels as kernels
+from lockstep_kernels import torch_ref
 from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
 

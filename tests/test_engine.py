@@ -106,7 +106,7 @@ def test_fixed_shape_decode_survives_a_memory_release(dense_dir):
 def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
     """The CUDA-graph decode step (padded batch, full-length cache, device-side lengths) gives the eager
     step's tokens and logprobs bit for bit when the kernels are batch-invariant (true on-policy)."""
-    from kernels import batch_invariant_mode
+    from lockstep_kernels import batch_invariant_mode
 
     def run(graph_bs):
         engine = make_engine(dense_dir, max_running=6, graph_bs=graph_bs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from kernels import fp8
+from lockstep_kernels import fp8
 from pipeline.config.schema import BroadcastWeightsConfig
 from pipeline.errors import ConfigError
 from pipeline.models.hf_io import load_model
@@ -168,7 +168,7 @@ def test_fp8_config_conflicts_are_refused():
 # ---- INT4 QAT ----------------------------------------------------------------------------------------
 
 def test_int4_error_bound_grid_and_straight_through_gradient():
-    from kernels import int4
+    from lockstep_kernels import int4
 
     w = weights_like_a_model((64, 128), seed=1).requires_grad_(True)
     q, s = int4.quantize(w, 32, torch.float32)
@@ -187,7 +187,7 @@ def test_int4_error_bound_grid_and_straight_through_gradient():
 
 
 def test_int4_packing_matches_compressed_tensors():
-    from kernels import int4
+    from lockstep_kernels import int4
     from test_sglang_contract import contract
 
     q = torch.randint(-8, 8, (6, 48), generator=torch.Generator().manual_seed(0), dtype=torch.int8)

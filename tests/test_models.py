@@ -131,7 +131,16 @@ def test_tokenizer_loads_like_a_real_one(dense_dir):
     assert "<|im_start|>user" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_transformers_does_not_take_our_kernels_for_hf_kernels():
-    from transformers.utils import import_utils
+def test_lockstep_packages_shadow_no_installed_distribution():
+    """Lockstep's top-level packages are its own names: a package another installed distribution also
+    provides would be shadowed by ours. (Lockstep's kernels were `kernels`, which is Hugging Face's
+    kernel-hub package: transformers 5.25 imports it, and failed with ours in its place.)"""
+    import importlib.metadata as md
 
-    assert not import_utils.is_kernels_available()
+    providers = md.packages_distributions()
+    for name in ("pipeline", "lockstep_kernels"):
+        assert set(providers.get(name, ["lockstep"])) <= {"lockstep"}, (name, providers[name])
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3 import modeling_qwen3  # noqa: F401  (imports its hub-kernels integration)
+
+    assert transformers.AutoConfig.for_model("qwen3").model_type == "qwen3"

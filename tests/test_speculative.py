@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-import kernels
+import lockstep_kernels as kernels
 from conftest import make_model_dir
 from pipeline.models.attention import PackedCausal
 from pipeline.models.hf_io import load_model, read_state_dict

@@ -36,7 +36,7 @@ def randn(*shape, dtype=torch.float32, seed=0):
 
 
 def check_matmul(small):
-    from kernels.gpu.matmul import bi_linear
+    from lockstep_kernels.gpu.matmul import bi_linear
 
     shapes = [(1, 40, 24), (37, 72, 50), (130, 64, 33)] if small else [(1, 4096, 4096), (77, 896, 4864), (1000, 4096, 1024), (4096, 1024, 4096)]
     out = {}
@@ -65,8 +65,8 @@ def check_matmul(small):
 
 
 def check_rms_norm(small):
-    from kernels.gpu.rms_norm import bi_rms_norm
-    from kernels.torch_ref import rms_norm
+    from lockstep_kernels.gpu.rms_norm import bi_rms_norm
+    from lockstep_kernels.torch_ref import rms_norm
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -81,7 +81,7 @@ def check_rms_norm(small):
 
 
 def check_log_softmax(small):
-    from kernels.gpu.log_softmax import bi_log_softmax, bi_token_logprob
+    from lockstep_kernels.gpu.log_softmax import bi_log_softmax, bi_token_logprob
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -108,7 +108,7 @@ def check_log_softmax(small):
 
 
 def check_attention(small):
-    from kernels.gpu.attention import bi_attention, sdpa_reference
+    from lockstep_kernels.gpu.attention import bi_attention, sdpa_reference
 
     out = {}
     cases = [(2, 4, 2, 16, 21)] if small else [(4, 16, 2, 64, 300), (2, 14, 2, 64, 1100), (1, 32, 8, 128, 2048)]
@@ -137,7 +137,7 @@ def check_attention(small):
 def check_decode_attention(small):
     """The split-key decode kernel vs an fp64 reference: several sequences of different lengths in a
     longer cache with more slots than sequences, forced split counts (one, some empty, many)."""
-    from kernels.gpu.decode_attention import decode_attention_fwd
+    from lockstep_kernels.gpu.decode_attention import decode_attention_fwd
 
     out = {}
     cases = [(3, 4, 2, 16, 150, [1, 70, 150])] if small else [(5, 14, 2, 64, 1100, [1, 63, 64, 65, 1100]),
@@ -162,8 +162,8 @@ def check_fp8_matmul(small):
     """The W8A8 block-scaled GEMM: activation quantisation bit-equal to the torch reference, the GEMM
     equal to the reference's (dequantise, fp32 matmul) up to fp32 sum order, split-K and not, and
     within FP8's error of the exact product."""
-    from kernels import fp8
-    from kernels.gpu.fp8_matmul import fp8_linear, quantize_act
+    from lockstep_kernels import fp8
+    from lockstep_kernels.gpu.fp8_matmul import fp8_linear, quantize_act
 
     out = {}
     shapes = [(1, 200, 72), (5, 256, 130), (40, 130, 64), (3, 64, 40)] if small else [(1, 896, 4864), (16, 4864, 896), (64, 896, 1152),
@@ -172,7 +172,7 @@ def check_fp8_matmul(small):
         for m, k, n in shapes:
             x, w, b = randn(m, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2) * 0.05, randn(n, dtype=dtype, seed=3)
             q_w, s_w = fp8.quantize(w)
-            if DEV == "cuda":  # the CPU interpreter mis-rounds e4m3 casts that carry (kernels/gpu/fp8_matmul.py)
+            if DEV == "cuda":  # the CPU interpreter mis-rounds e4m3 casts that carry (lockstep_kernels/gpu/fp8_matmul.py)
                 qa, sa = quantize_act(x)
                 rqa, rsa = fp8.quantize_act_ref(x)
                 assert torch.equal(sa, rsa) and torch.equal(qa.view(torch.uint8), rqa.view(torch.uint8)), ("act quant", m, k)
@@ -193,7 +193,7 @@ def check_fp8_matmul(small):
 def check_sampling(small):
     """The fused Gumbel-max sampler picks exactly the torch path's tokens (same noise, same argmax),
     greedy rows included, for rows of different seeds, positions and temperatures."""
-    from kernels.gpu.sampling import gumbel_argmax
+    from lockstep_kernels.gpu.sampling import gumbel_argmax
     from pipeline.models.logprobs import GREEDY_EPS
     from pipeline.rollout.engine import sampling
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-import kernels
+import lockstep_kernels as kernels
 
 
 class AttentionContext(Protocol):

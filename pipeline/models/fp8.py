@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from kernels import fp8
+from lockstep_kernels import fp8
 
 SCALE_SUFFIX = "_scale_inv"
 _LINEAR = re.compile(r"\.layers\.\d+\..*_proj\.weight$")  # attention and MLP/expert projections

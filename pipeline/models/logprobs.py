@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import lockstep_kernels as kernels
 
 GREEDY_EPS = 1e-5
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
 from pipeline.models.qwen3 import DecoderLayer, Linear, RMSNorm, rope_cos_sin

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from kernels import int4
+from lockstep_kernels import int4
 
 EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 

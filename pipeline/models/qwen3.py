@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+import lockstep_kernels as kernels
 
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
@@ -32,7 +32,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
-            from kernels import fp8
+            from lockstep_kernels import fp8
 
             return fp8.linear(x, self.weight, self.weight_scale_inv, self.bias)
         w = self.weight if self.weight_transform is None else self.weight_transform(self.weight)

@@ -446,7 +446,7 @@ def main(run_dir: str) -> None:
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
     if cfg.determinism.true_on_policy:
-        import kernels
+        import lockstep_kernels as kernels
 
         kernels.set_batch_invariant(True)
     backend = "nccl" if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())) else "gloo"

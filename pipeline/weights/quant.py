@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from kernels import fp8
+from lockstep_kernels import fp8
 
 from pipeline.models.fp8 import SCALE_SUFFIX, is_fp8_target  # noqa: F401  (re-exported: senders use them)
 

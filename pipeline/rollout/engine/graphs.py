@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import kernels
+import lockstep_kernels as kernels
 from pipeline.rollout.engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)

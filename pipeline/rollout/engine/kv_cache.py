@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import lockstep_kernels as kernels
 from pipeline.models.attention import attend_padded
 from pipeline.models.config import ModelArgs
 

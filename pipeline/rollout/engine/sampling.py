@@ -14,10 +14,10 @@ import os
 
 import torch
 
-from kernels.dispatch import use_triton
+from lockstep_kernels.dispatch import use_triton
 from pipeline.models.logprobs import GREEDY_EPS, scaled_logits
 
-# The fused Triton sampler (kernels/gpu/sampling.py) is opt-in until it has run on a GPU: it passes
+# The fused Triton sampler (lockstep_kernels/gpu/sampling.py) is opt-in until it has run on a GPU: it passes
 # the token-for-token check under Triton's CPU interpreter, but no device run has checked it yet.
 _FUSED = os.environ.get("LOCKSTEP_FUSED_SAMPLING") == "1"
 
@@ -72,7 +72,7 @@ def sample(
     truncated_B = (top_p_B < 1.0) | (top_k_B > 0)
     truncated = bool(truncated_B.any())
     if not truncated and _FUSED and use_triton(logits_BV):  # one fused pass on GPUs, the same tokens
-        from kernels.gpu.sampling import gumbel_argmax
+        from lockstep_kernels.gpu.sampling import gumbel_argmax
 
         return gumbel_argmax(logits_BV, temperature_B, seeds_B, positions_B, GREEDY_EPS)
     scaled = scaled_logits(logits_BV, temperature_B)

@@ -124,7 +124,7 @@ class EngineServer:
         """SGLang's debug endpoint: a parameter's values (first `truncate_size` of the flattened tensor).
         An FP8 weight (engine.quantization=fp8) comes back as q * scale_inv, the values it computes with;
         its scales are the parameter `<name>_scale_inv` (SCALE_SUFFIX)."""
-        from kernels import fp8
+        from lockstep_kernels import fp8
         from pipeline.models.fp8 import SCALE_SUFFIX
 
         params = dict(self.engine.model.named_parameters())
@@ -330,7 +330,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     if args.true_on_policy:  # before the engine captures its decode graphs: they record these kernels
-        from kernels import enable_batch_invariant_mode
+        from lockstep_kernels import enable_batch_invariant_mode
 
         enable_batch_invariant_mode()
     engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+import lockstep_kernels as kernels
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +81,7 @@ def patch_linear() -> None:
     def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, *args, **kwargs):
         qat = getattr(weight, "lockstep_int4", None)
         if qat is not None:
-            from kernels import int4
+            from lockstep_kernels import int4
 
             weight = int4.fake_quant(weight, *qat)
         if kernels.is_batch_invariant():

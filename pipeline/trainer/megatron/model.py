@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import lockstep_kernels as kernels
 from pipeline.models.config import ModelArgs
 
 

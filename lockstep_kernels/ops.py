@@ -1,5 +1,5 @@
 """The ops the model calls. Each picks: default torch op, or (in batch-invariant mode) the Triton
-kernel on GPUs / the batch-invariant torch path on CPUs. See kernels/__init__.py."""
+kernel on GPUs / the batch-invariant torch path on CPUs. See lockstep_kernels/__init__.py."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import torch_ref
-from kernels.dispatch import use_triton
+from lockstep_kernels import torch_ref
+from lockstep_kernels.dispatch import use_triton
 
 _FEW_QUERIES = 16
 _SDPA_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _bi() -> bool:
-    from kernels import is_batch_invariant
+    from lockstep_kernels import is_batch_invariant
 
     return is_batch_invariant()
 
@@ -26,7 +26,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _bi():
         return F.linear(x, weight, bias)
     if use_triton(x):
-        from kernels.gpu.matmul import bi_linear
+        from lockstep_kernels.gpu.matmul import bi_linear
 
         return bi_linear(x, weight, bias)
     return torch_ref.linear(x, weight, bias)
@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # mode asks for the kernel, so its no-grad and training forwards round alike.
     fused_inference = torch.is_inference_mode_enabled() and weight.dtype == x.dtype
     if (_bi() or fused_inference) and use_triton(x):
-        from kernels.gpu.rms_norm import bi_rms_norm
+        from lockstep_kernels.gpu.rms_norm import bi_rms_norm
 
         return bi_rms_norm(x, weight, eps)
     return torch_ref.rms_norm(x, weight, eps)  # row reductions over the last dim: invariant on CPU
@@ -55,7 +55,7 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     if not _bi():
         return torch.log_softmax(x.float(), dim=-1)
     if use_triton(x):
-        from kernels.gpu.log_softmax import bi_log_softmax
+        from lockstep_kernels.gpu.log_softmax import bi_log_softmax
 
         return bi_log_softmax(x)
     return torch_ref.log_softmax(x)
@@ -65,7 +65,7 @@ def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature)
     """log softmax(logits / T)[token] per row, fp32. On GPUs always the fused Triton kernel (never
     materialises the [rows, vocab] fp32 log-softmax; batch-invariant too); elsewhere log-softmax + gather."""
     if use_triton(logits_MV):
-        from kernels.gpu.log_softmax import bi_token_logprob
+        from lockstep_kernels.gpu.log_softmax import bi_token_logprob
 
         return bi_token_logprob(logits_MV, tokens_M, temperature)
     from pipeline.models.logprobs import scaled_logits
@@ -83,7 +83,7 @@ def decode_attention(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Te
     k_BGTD, v_BGTD = k_SGTD[:b], v_SGTD[:b]
     qpos_B1 = (lens_B - 1)[:, None]
     if not _bi() and use_triton(q_BHD):
-        from kernels.gpu.decode_attention import decode_attention_fwd
+        from lockstep_kernels.gpu.decode_attention import decode_attention_fwd
 
         return decode_attention_fwd(q_BHD, k_BGTD, v_BGTD, lens_B)
     return attention(q_BHD[:, :, None], k_BGTD, v_BGTD, qpos_B1)[:, :, 0]
@@ -117,7 +117,7 @@ def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
         with sdpa_kernel(_SDPA_NO_CUDNN) if few else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
     if use_triton(q_BHQD):
-        from kernels.gpu.attention import bi_attention
+        from lockstep_kernels.gpu.attention import bi_attention
 
         return bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
     return torch_ref.attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)

@@ -7,7 +7,7 @@ by their log-sum-exp), `decode_attention_fwd` (launcher).
 The key length of each sequence is read from a device tensor inside the kernel, never from the host,
 and the split count depends only on the batch size: one launch serves every decode step of a batch
 bucket, so the engine can capture it in a CUDA graph (pipeline/rollout/engine/graphs.py). Inference
-only (no autograd), default mode only: batch-invariant runs use kernels/gpu/attention.py, whose
+only (no autograd), default mode only: batch-invariant runs use lockstep_kernels/gpu/attention.py, whose
 result does not depend on the split.
 Legend: B sequences, H query heads, G kv heads, S cache slots (>= B), T cache length, D head dim,
 P key splits.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu.attention import INTERPRET, online_softmax_step
+from lockstep_kernels.gpu.attention import INTERPRET, online_softmax_step
 
 
 @triton.jit

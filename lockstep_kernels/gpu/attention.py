@@ -1,6 +1,6 @@
 """Batch-invariant causal GQA attention in Triton (forward), for both prefill and KV-cache decode.
 
-Layers: `online_softmax_step` (one key block, shared with kernels/gpu/decode_attention.py),
+Layers: `online_softmax_step` (one key block, shared with lockstep_kernels/gpu/decode_attention.py),
 `_bi_attention_kernel` (one program per BLOCK_M queries of one (sequence, head)), `attention_fwd`
 (launcher), `BiAttention` (autograd: backward recomputes through torch's SDPA), `bi_attention`.
 

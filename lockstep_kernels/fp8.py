@@ -9,7 +9,7 @@ Error bound (the tests check it element by element): e4m3 has 3 mantissa bits, s
 normal range is off by at most 2^-4 of itself, one in the subnormal range by at most half the
 subnormal step, 2^-10 x scale_inv.
 
-`quantize` / `dequantize` pick the Triton kernels on GPUs (kernels/gpu/fp8.py) and the torch
+`quantize` / `dequantize` pick the Triton kernels on GPUs (lockstep_kernels/gpu/fp8.py) and the torch
 reference below elsewhere; both give the same bits.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from lockstep_kernels.dispatch import use_triton
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -59,7 +59,7 @@ def dequantize_ref(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype 
 
 def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(w) and w.is_cuda:
-        from kernels.gpu.fp8 import quantize_blockwise
+        from lockstep_kernels.gpu.fp8 import quantize_blockwise
 
         return quantize_blockwise(w, block)
     return quantize_ref(w, block)
@@ -68,7 +68,7 @@ def quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.T
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                block: int = BLOCK) -> torch.Tensor:
     if use_triton(q) and q.is_cuda:
-        from kernels.gpu.fp8 import dequantize_blockwise
+        from lockstep_kernels.gpu.fp8 import dequantize_blockwise
 
         return dequantize_blockwise(q, scale_inv, dtype, block)
     return dequantize_ref(q, scale_inv, dtype, block)
@@ -123,9 +123,9 @@ def has_fp8_gemm(device: torch.device) -> bool:
 
 
 def linear(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """FP8 GEMM on GPUs that have it (Triton, kernels/gpu/fp8_matmul.py); the reference elsewhere."""
+    """FP8 GEMM on GPUs that have it (Triton, lockstep_kernels/gpu/fp8_matmul.py); the reference elsewhere."""
     if use_triton(x) and (not x.is_cuda or has_fp8_gemm(x.device)):
-        from kernels.gpu.fp8_matmul import fp8_linear
+        from lockstep_kernels.gpu.fp8_matmul import fp8_linear
 
         return fp8_linear(x, q_w, s_w, bias)
     return linear_ref(x, q_w, s_w, bias)

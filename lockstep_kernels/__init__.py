@@ -6,7 +6,7 @@ step beside 200 other requests or in a packed training micro-batch. Each op has 
 GPUs (fixed tile sizes and reduction order, no autotuning, no split-K) and a torch path for CPUs with
 the same property (fixed row tiles, fixed key blocks, transcendental functions chosen for being
 position-invariant on CPU). On ROCm the Triton path runs through Triton's AMD backend; aiter has no
-batch-invariant variants of these ops, so it is not used (kernels/dispatch.py).
+batch-invariant variants of these ops, so it is not used (lockstep_kernels/dispatch.py).
 
     with batch_invariant_mode():
         logits = model(...)
@@ -48,7 +48,7 @@ def batch_invariant_mode(enabled: bool = True):
             _state.enabled = previous
 
 
-from kernels.ops import attention, decode_attention, linear, log_softmax, rms_norm, silu, softmax, token_logprobs, topk_indices  # noqa: E402
+from lockstep_kernels.ops import attention, decode_attention, linear, log_softmax, rms_norm, silu, softmax, token_logprobs, topk_indices  # noqa: E402
 
 __all__ = ["batch_invariant_mode", "is_batch_invariant", "set_batch_invariant", "enable_batch_invariant_mode",
            "linear", "attention", "decode_attention", "rms_norm", "log_softmax", "softmax", "silu", "topk_indices", "token_logprobs"]

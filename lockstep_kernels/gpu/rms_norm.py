@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import torch_ref
+from lockstep_kernels import torch_ref
 
 
 @triton.jit

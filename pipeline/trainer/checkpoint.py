@@ -1,8 +1,9 @@
 """Checkpoints: torch DCP for model + optimizer + scheduler, a JSON record of everything else.
 
 Layout: run_dir/checkpoints/step_000012/ with DCP files (the policy and its optimizer; PPO's critic
-and its optimizer) and trainer_state.json (step, weight version, data cursor, RNG). A checkpoint is written under a temp name and renamed only when complete,
-so a kill during save leaves the previous one valid; the last `keep_last` are kept.
+and its optimizer) and trainer_state.json (step, weight version, data cursor, RNG). A checkpoint is
+written under a temp name and renamed only when complete, so a kill during save leaves the previous
+one valid; the last `keep_last` are kept.
 """
 
 from __future__ import annotations

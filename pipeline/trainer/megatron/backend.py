@@ -195,7 +195,6 @@ class MegatronBackend:
         gpt = build_gpt(self.args, config, use_te, self.links.first, self.links.last)
         if self.links.last:
             gpt.output_layer = ValueHead(self.args.hidden_size, sequence_parallel=self.sp)
-        hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
         critic = self.build(gpt, hf, prefix="critic_", head=("output_layer.weight", "output_layer.bias"))
         critic.links = stages.Links(self.ps, own_groups=True)  # its hand-overs share the policy's backward
         opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr, betas=(t.adam_beta1, t.adam_beta2),
@@ -211,7 +210,7 @@ class MegatronBackend:
     def build(self, gpt: nn.Module, hf: dict[str, torch.Tensor], prefix: str = "", head: tuple = ()) -> RankNamed:
         from pipeline.trainer.megatron.convert import stage_shard, to_megatron
 
-        shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep, lm_head="lm_head.weight" in hf)
+        shard = to_megatron(hf, self.args, self.tp_rank, self.tp, self.ep_rank, self.ep)
         if self.pp > 1:
             shard = stage_shard(shard, self.args, self.layers, self.links.first, self.links.last)
         shard = {k: v for k, v in shard.items() if k not in head}  # a head of its own (the critic's)
@@ -266,8 +265,8 @@ class MegatronBackend:
 
         from pipeline.trainer.megatron.model import padded_batch
 
-        replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
         # this pipeline stage's layers' routers
+        replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
         if mb is None:
             for r in replays:
                 r.clear_indices()
@@ -396,7 +395,6 @@ class MegatronBackend:
             if self.args.tie_word_embeddings and name == "lm_head.weight":
                 continue
             yield name, t.to(dtype or t.dtype)
-
 
     def merge_stages(self, shards: list[list[dict]]) -> list[list[dict]]:
         """Every stage's part of each (ep, tp) shard, on every stage: names and shapes first, then each

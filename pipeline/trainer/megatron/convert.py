@@ -59,15 +59,14 @@ def check_parallel(args: ModelArgs, tp: int, ep: int, pp: int = 1) -> None:
 
 
 def to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, tp_size: int = 1,
-                ep_rank: int = 0, ep_size: int = 1, lm_head: bool = True) -> dict[str, torch.Tensor]:
-    """The shard of (tp_rank, ep_rank), named like GPTModel(local spec).state_dict(); lm_head=False
-    leaves the output layer out (a critic's value head takes its place)."""
+                ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """The shard of (tp_rank, ep_rank), named like GPTModel(local spec).state_dict()."""
     check_parallel(args, tp_size, ep_size)
     col = lambda t: _split(t, 0, tp_rank, tp_size)  # noqa: E731
     row = lambda t: _split(t, 1, tp_rank, tp_size)  # noqa: E731
     out = {"embedding.word_embeddings.weight": col(hf["model.embed_tokens.weight"]),
            "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
-    if lm_head and not args.tie_word_embeddings:
+    if not args.tie_word_embeddings:
         out["output_layer.weight"] = col(hf["lm_head.weight"])
     per_rank = args.num_experts // ep_size if args.is_moe else 0
     for i in range(args.num_hidden_layers):

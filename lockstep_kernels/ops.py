@@ -4,6 +4,8 @@ kernel on GPUs / the batch-invariant torch path on CPUs. See lockstep_kernels/__
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +104,33 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     if not _bi():
         return torch.topk(x, k, dim=-1).indices
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def packed_causal_attention(q_NHD, k_NGD, v_NGD, cu_seqlens_B1: torch.Tensor, max_len: int) -> torch.Tensor | None:
+    """Causal GQA attention over sequences packed back to back (sequence b is rows cu_seqlens[b]:
+    cu_seqlens[b+1]), [N, H, D], by flash attention's varlen kernel: no padded grid, no mask, no
+    scatter/gather. None where that kernel does not apply (CPU, fp32, batch-invariant mode, a torch
+    without torch.nn.attention.varlen): the caller then takes the padded-grid path."""
+    if _bi() or not q_NHD.is_cuda or q_NHD.dtype not in (torch.float16, torch.bfloat16) or _varlen() is None:
+        return None
+    fn, params = _varlen()
+    h, g = q_NHD.shape[1], k_NGD.shape[1]
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if h != g:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # older torch: give every query head its key/value head
+            k_NGD, v_NGD = k_NGD.repeat_interleave(h // g, 1), v_NGD.repeat_interleave(h // g, 1)
+    return fn(q_NHD, k_NGD, v_NGD, cu_seqlens_B1, cu_seqlens_B1, max_len, max_len, **kwargs)
+
+
+@functools.cache
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
 def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:

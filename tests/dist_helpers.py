@@ -28,6 +28,7 @@ def random_batch(vocab: int, n: int = 16, seed: int = 0):
 def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_dir: str, out: str,
                    overrides: list[str]) -> None:
     from pipeline.config import load_config
+    from pipeline.trainer.fsdp import full_state
     from pipeline.trainer.loop import Trainer
 
     torch.set_num_threads(1)
@@ -39,9 +40,14 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
                                  f"train.num_gpus={world}", *overrides])
         trainer = Trainer(cfg, run_dir)
         metrics = trainer.train_on(random_batch(trainer.backend.args.vocab_size))
-        state = dict(trainer.backend.full_state())
+        b = trainer.backend
+        state = dict(b.full_state())  # parameter by parameter
+        # the weight sync's export: flat buckets in the forward's dtype (small ones here: several buckets)
+        flat = [list(full_state(b.model, b.args, b.compute_dtype, bucket_bytes=bb)) for bb in (512 << 20, 4096)]
         if rank == 0:
-            torch.save({"state": state, "metrics": metrics}, out)
+            storages = [len({t.untyped_storage().data_ptr() for _, t in f}) for f in flat]
+            torch.save({"state": state, "metrics": metrics, "flat": [dict(f) for f in flat],
+                        "flat_order": [n for n, _ in flat[0]], "flat_storages": storages}, out)
     finally:
         dist.destroy_process_group()
 

@@ -43,6 +43,15 @@ def test_fsdp_two_ranks_equal_one(which, algo, request, tmp_path):
     assert moved > 1e-3  # the steps really changed the weights (100x the tolerance)
     for key in ("train/pg_loss", "train/rollout_logprob_abs_diff", "train/tokens"):
         assert one["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-5, abs=1e-7)
+    # The weight sync's flat-bucket export equals the parameter-by-parameter gather bit for bit, in
+    # named_parameters order, on one rank and on two (shards of uneven row counts included), as views
+    # of one buffer per bucket.
+    for run in (one, two):
+        for flat in run["flat"]:
+            assert list(flat) == run["flat_order"] and set(flat) == set(run["state"])
+            for name, t in flat.items():
+                assert torch.equal(t, run["state"][name]), name
+        assert run["flat_storages"][0] == 1 and run["flat_storages"][1] > 3
 
 
 def test_weight_broadcast_is_bit_exact(dense_dir, engine_factory):

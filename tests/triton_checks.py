@@ -217,9 +217,72 @@ def check_sampling(small):
     return out
 
 
+def check_varlen_attention(small):
+    """Training attention on GPUs (packed sequences through flash attention's varlen kernel) against
+    the padded-grid SDPA path, forward and gradients, bf16, GQA."""
+    from pipeline.models.attention import PackedCausal
+    import lockstep_kernels as kernels
+
+    if DEV != "cuda":
+        return {"skipped": "needs a GPU"}
+    lengths = [5, 300, 1, 77, 1024] if not small else [5, 3]
+    ctx = PackedCausal.from_lengths(lengths, device=DEV)
+    n = sum(lengths)
+    out = {}
+    for h, g in ((14, 2), (8, 8)):
+        q, k, v = (randn(n, c, 64, dtype=torch.bfloat16, seed=s).requires_grad_() for s, c in ((1, h), (2, g), (3, g)))
+        assert kernels.packed_causal_attention(q, k, v, ctx.cu_seqlens.int(), ctx.max_len) is not None
+        o = ctx.attend(0, q, k, v)
+        grads = torch.autograd.grad(o.float().square().sum(), (q, k, v))
+        grid = lambda x: ctx.to_grid(x).transpose(1, 2)  # noqa: E731
+        ref = kernels.attention(grid(q), grid(k), grid(v), ctx.qpos_BT).transpose(1, 2)[ctx.grid_index]
+        ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+        out[f"h{h}g{g}-out"] = rel(o, ref)
+        assert out[f"h{h}g{g}-out"] < 1e-2, out
+        for name, a, b in zip("qkv", grads, ref_grads):
+            out[f"h{h}g{g}-d{name}"] = rel(a, b)
+            assert out[f"h{h}g{g}-d{name}"] < 2e-2, out
+    return out
+
+
+def check_fused_projections(small):
+    """The engine's fused q/k/v and gate/up GEMMs (views of its flat weights) against the model's
+    separate projections: bf16 logits within rounding; batch-invariant mode bit-identical (it keeps
+    the separate projections)."""
+    import copy
+    import dataclasses
+
+    import lockstep_kernels as kernels
+    from pipeline.models.attention import PackedCausal
+    from pipeline.models.config import tiny_preset
+    from pipeline.models.flat import flatten_parameters, fuse_projections
+    from pipeline.models.qwen3 import Qwen3ForCausalLM
+
+    args = dataclasses.replace(tiny_preset("tiny-dense", 1000, None, 0, None), hidden_size=256, intermediate_size=768,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    plain = Qwen3ForCausalLM(args)
+    plain.init_weights(0)
+    plain = plain.to(device=DEV, dtype=torch.bfloat16)
+    fused = copy.deepcopy(plain)
+    flatten_parameters(fused)
+    assert fuse_projections(fused) == 2 * args.num_hidden_layers
+    ctx = PackedCausal.from_lengths([7, 30, 1], device=DEV)
+    ids = torch.arange(38, device=DEV) * 7 % 1000
+    at = torch.arange(38, device=DEV)
+    with torch.inference_mode():
+        a, b = fused(ids, ctx.positions, ctx, logits_at_M=at), plain(ids, ctx.positions, ctx, logits_at_M=at)
+        err = rel(a, b)
+        assert err < 2e-2, err
+        with kernels.batch_invariant_mode():
+            same = torch.equal(fused(ids, ctx.positions, ctx, logits_at_M=at), plain(ids, ctx.positions, ctx, logits_at_M=at))
+    assert same
+    return {"fused_vs_separate": err, "batch_invariant_bit_identical": same}
+
+
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention,
-          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling}
+          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
+          "fused_projections": check_fused_projections}
 
 
 def main() -> int:

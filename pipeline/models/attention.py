@@ -31,13 +31,16 @@ def attend_padded(q_BHQD, k_BKTD, v_BKTD, qpos_BQ) -> torch.Tensor:
 class PackedCausal:
     """Independent causal sequences packed back to back: sequence b is tokens cu_seqlens[b]:cu_seqlens[b+1].
 
-    The packed stream is scattered into a [B, T] grid for one SDPA call, then gathered back, so the
-    model itself never sees padding and no logits are computed for pad positions.
+    On GPUs in default mode (bf16/fp16) the packed stream goes to flash attention's varlen kernel as it
+    is. Otherwise it is scattered into a [B, T] grid for one SDPA call (or the batch-invariant kernel),
+    then gathered back, so the model itself never sees padding and no logits are computed for pad
+    positions.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor):
         assert cu_seqlens.dim() == 1 and cu_seqlens[0] == 0
         self.cu_seqlens = cu_seqlens
+        self.cu_seqlens_i32: torch.Tensor | None = None  # flash attention's varlen kernel wants int32
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         self.lengths = lengths
         self.max_len = int(lengths.max()) if lengths.numel() else 0
@@ -64,6 +67,12 @@ class PackedCausal:
         return grid
 
     def attend(self, layer_idx, q_NHD, k_NKD, v_NKD):
+        if q_NHD.is_cuda:
+            if self.cu_seqlens_i32 is None:
+                self.cu_seqlens_i32 = self.cu_seqlens.to(torch.int32)
+            o_NHD = kernels.packed_causal_attention(q_NHD, k_NKD, v_NKD, self.cu_seqlens_i32, self.max_len)
+            if o_NHD is not None:
+                return o_NHD
         q = self.to_grid(q_NHD).transpose(1, 2)
         k = self.to_grid(k_NKD).transpose(1, 2)
         v = self.to_grid(v_NKD).transpose(1, 2)

@@ -15,6 +15,7 @@ import re
 import torch
 
 from lockstep_kernels import fp8
+from pipeline.models.flat import copy_tensors
 
 SCALE_SUFFIX = "_scale_inv"
 _LINEAR = re.compile(r"\.layers\.\d+\..*_proj\.weight$")  # attention and MLP/expert projections
@@ -47,7 +48,7 @@ def load_into(params: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -
     FP8 weight quantised first, anything else cast to the parameter's dtype. Returns the parameter
     names now written (a quantised weight writes its scale too)."""
     written = set()
-    dst, src = [], []  # same-dtype copies: one multi-tensor copy (a version is ~300 tensors)
+    dst, src = [], []  # same-dtype copies: spans and one multi-tensor copy (a version is ~300 tensors)
     for name, t in named.items():
         p = params[name]
         if p.dtype == fp8.FP8 and t.dtype != fp8.FP8:
@@ -64,5 +65,5 @@ def load_into(params: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -
             p.copy_(t.to(p.dtype))
         written.add(name)
     if dst:
-        torch._foreach_copy_(dst, src)
+        copy_tensors(dst, src)
     return written

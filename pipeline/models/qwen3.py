@@ -64,6 +64,8 @@ def apply_rope(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) 
 
 
 class Attention(nn.Module):
+    qkv_weight: torch.Tensor | None = None  # [q; k; v] as one matrix (a view: pipeline/models/flat.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
@@ -76,15 +78,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, args.rms_norm_eps)
 
     def forward(self, x_ND, cos, sin, ctx: AttentionContext, layer_idx: int):
-        n = x_ND.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x_ND).view(n, self.n_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x_ND).view(n, self.n_kv, self.head_dim)), cos, sin)
-        v = self.v_proj(x_ND).view(n, self.n_kv, self.head_dim)
+        n, hd = x_ND.shape[0], self.head_dim
+        if self.qkv_weight is not None and not kernels.is_batch_invariant():
+            q, k, v = kernels.linear(x_ND, self.qkv_weight).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], -1)
+        else:
+            q, k, v = self.q_proj(x_ND), self.k_proj(x_ND), self.v_proj(x_ND)
+        q = apply_rope(self.q_norm(q.unflatten(-1, (self.n_heads, hd))), cos, sin)
+        k = apply_rope(self.k_norm(k.unflatten(-1, (self.n_kv, hd))), cos, sin)
+        v = v.unflatten(-1, (self.n_kv, hd))
         o_NHD = ctx.attend(layer_idx, q, k, v)
         return self.o_proj(o_NHD.reshape(n, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    gate_up_weight: torch.Tensor | None = None  # [gate; up] as one matrix (a view: pipeline/models/flat.py)
+
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_proj = Linear(hidden, inner, bias=False)
@@ -92,6 +100,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x):
+        if self.gate_up_weight is not None and not kernels.is_batch_invariant():
+            gate, up = kernels.linear(x, self.gate_up_weight).chunk(2, -1)
+            return self.down_proj(kernels.silu(gate) * up)
         return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

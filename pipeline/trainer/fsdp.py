@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.config.schema import RunConfig
 from pipeline.models.hf_io import load_model
@@ -47,39 +47,85 @@ def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> f
     return floor + (1.0 - floor) * shape
 
 
-def full_state(model, args, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def full_state(model, args, dtype: torch.dtype | None = None,
+               bucket_bytes: int = 512 << 20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) of a sharded model. Collective: every rank must iterate to the end.
 
     When `dtype` is the forward's dtype (FSDP's mixed-precision param_dtype: what the engines compute
-    with), each FSDP unit is unsharded as its forward would (one bucketed all-gather, cast included),
-    copied out into one flat buffer, and resharded; its tensors are views of that buffer. That is one
-    collective and one copy per layer instead of a gather and a cast per parameter. Any other dtype
-    gathers and casts parameter by parameter."""
-    units = [(m, f"model.layers.{i}.") for i, m in enumerate(model.model.layers)]
-    mp_dtype = _param_dtype(model)
-    if dtype is None or dtype != mp_dtype:
+    with), the parameters go out in flat buckets of up to `bucket_bytes`, in `named_parameters()`
+    order: each rank casts its shards into one buffer (one multi-tensor copy), one all-gather per
+    bucket (none on one rank) and one multi-tensor copy put the parameters back together. The tensors
+    are views of the bucket, so an engine whose parameters share that layout (pipeline/models/flat.py)
+    applies a bucket as one copy. Any other dtype gathers and casts parameter by parameter."""
+    named = [(n, p) for n, p in model.named_parameters() if not (args.tie_word_embeddings and n == "lm_head.weight")]
+    if dtype is None or dtype != _param_dtype(model) or not all(_dim0_sharded(p) for _, p in named):
         for name, p in model.state_dict().items():
             if args.tie_word_embeddings and name == "lm_head.weight":
                 continue
             t = p.full_tensor() if isinstance(p, DTensor) else p
             yield name, t.detach().to(dtype or t.dtype)
         return
-    for module, prefix in [(model, None)] + units:
-        module.unshard()  # not recursive: the root unit holds embeddings, final norm, LM head, MTP head
-        try:
-            if prefix is None:
-                named = [(n, p) for n, p in model.named_parameters() if not n.startswith("model.layers.")]
-            else:
-                named = [(prefix + n, p) for n, p in module.named_parameters()]
-            named = [(n, p) for n, p in named if not (args.tie_word_embeddings and n == "lm_head.weight")]
-            with torch.no_grad():
-                flat = torch.cat([p.detach().reshape(-1) for _, p in named])
-        finally:
-            module.reshard()
-        offset = 0
-        for n, p in named:
-            yield n, flat[offset: offset + p.numel()].view(p.shape)
-            offset += p.numel()
+    bucket, size = [], 0
+    for n, p in named:
+        if bucket and size + p.numel() * dtype.itemsize > bucket_bytes:
+            yield from _gather_bucket(bucket, dtype)
+            bucket, size = [], 0
+        bucket.append((n, p))
+        size += p.numel() * dtype.itemsize
+    if bucket:
+        yield from _gather_bucket(bucket, dtype)
+
+
+# torch >= 2.13 names all_gather_into_tensor all_gather_single (and deprecates the old name)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _dim0_sharded(p: torch.Tensor) -> bool:
+    return not isinstance(p, DTensor) or (p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),))
+
+
+@torch.no_grad()
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of one bucket of dim-0 sharded parameters (torch.chunk's split, as FSDP2's), as
+    views of one flat buffer."""
+    mesh = next((p.device_mesh for _, p in bucket if isinstance(p, DTensor)), None)
+    world = mesh.size() if mesh is not None else 1
+    rows = [-(-p.shape[0] // world) if p.dim() else 1 for _, p in bucket]  # rows of every rank's padded shard
+    slot = [r * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) for r, (_, p) in zip(rows, bucket)]
+    device = bucket[0][1].device
+    local = torch.empty(sum(slot), dtype=dtype, device=device)
+    dst, src, offset = [], [], 0
+    for (_, p), width in zip(bucket, slot):
+        shard = (p.to_local() if isinstance(p, DTensor) else p).detach().reshape(-1)
+        if shard.numel():
+            dst.append(local[offset: offset + shard.numel()])
+            src.append(shard)
+        offset += width
+    torch._foreach_copy_(dst, src)  # casts to the forward's dtype, as FSDP's all-gather does
+    if world == 1:
+        out = local
+    else:
+        gathered = torch.empty(world * local.numel(), dtype=dtype, device=device)
+        _all_gather_flat(gathered, local, group=mesh.get_group())
+        by_rank = gathered.view(world, local.numel())
+        out = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=device)
+        dst, src, offset, at = [], [], 0, 0
+        for (_, p), width in zip(bucket, slot):
+            full = width and p.numel() // width  # ranks whose shard is a full slot; the next holds the rest
+            if full:
+                dst.append(out[at: at + full * width].view(full, width))
+                src.append(by_rank[:full, offset: offset + width])
+            rest = p.numel() - full * width
+            if rest:
+                dst.append(out[at + full * width: at + p.numel()])
+                src.append(by_rank[full, offset: offset + rest])
+            offset += width
+            at += p.numel()
+        torch._foreach_copy_(dst, src)
+    at = 0
+    for n, p in bucket:
+        yield n, out[at: at + p.numel()].view(p.shape)
+        at += p.numel()
 
 
 def _param_dtype(model) -> torch.dtype | None:

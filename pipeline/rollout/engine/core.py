@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.models.config import ModelArgs
+from pipeline.models.flat import flatten_parameters, fuse_projections
 from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
@@ -115,6 +116,10 @@ class Engine:
             to_fp8(self.model)
         elif quantization is not None:
             raise ValueError(f"engine quantization {quantization!r}: the built-in engine knows fp8 only")
+        # Parameters as views of one buffer per dtype: an exported version is applied as one copy, and
+        # q/k/v and gate/up run as one GEMM each outside batch-invariant mode (pipeline/models/flat.py).
+        self.flat_weights = flatten_parameters(self.model)
+        fuse_projections(self.model)
         self.device, self.dtype = device, dtype
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
@@ -362,8 +367,8 @@ class Engine:
                     t.untyped_storage().resize_(0)
                 self.released.add("kv_cache")
             if "weights" in tags and "weights" not in self.released:
-                for p in self.model.parameters():
-                    p.data.untyped_storage().resize_(0)
+                for flat in self.flat_weights:
+                    flat.untyped_storage().resize_(0)
                 self.released.add("weights")
             if self.graphs is not None:  # graphs point at the memory just given back
                 self.graphs.reset()
@@ -391,8 +396,8 @@ class Engine:
         return [t for c in caches for t in c.k + c.v]
 
     def _resume_weights(self) -> None:
-        for p in self.model.parameters():
-            p.data.untyped_storage().resize_(p.numel() * p.element_size())
+        for flat in self.flat_weights:
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         self.released.discard("weights")
 
     def unavailable(self) -> str | None:

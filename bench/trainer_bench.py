@@ -41,38 +41,54 @@ def matmul_rate(device, n: int) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
-def train_flops(args, tokens: int, seq_len: int) -> float:
+def train_flops(args, lengths: list[int]) -> float:
     """Matmul FLOPs of forward + backward (3x forward): linear layers, LM head, causal attention."""
     h, L = args.hidden_size, args.num_hidden_layers
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
-    linear = 2 * tokens * (L * per_layer + h * args.vocab_size)
-    attention = L * 2 * 2 * tokens * (seq_len / 2) * q  # QK^T and PV over the causal half
+    linear = 2 * sum(lengths) * (L * per_layer + h * args.vocab_size)
+    attention = L * 2 * 2 * sum(n * n / 2 for n in lengths) * q  # QK^T and PV over the causal half
     return 3 * (linear + attention)
 
 
-def step_time(args, device, seq_len: int, seqs: int, steps: int, fused: bool = False) -> float:
+def step_time(args, device, lengths: list[int], steps: int, varlen: bool) -> float:
+    """Median step time with the training attention through flash's varlen kernel (`varlen`) or the
+    padded grid (SDPA with a mask, the path before it and the one CPUs take)."""
+    import lockstep_kernels.ops as ops
+
+    ops.VARLEN = varlen
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(args).to(device)
     mesh = init_device_mesh(device.type, (1,))
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = shard(model, mesh, compute)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)  # fused: as FSDPBackend on GPUs
-    ctx = PackedCausal.from_lengths([seq_len] * seqs, device=device)
-    ids, score, targets, adv = packed_batch(args, device, seq_len, seqs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" or None)  # as FSDPBackend
+    ctx = PackedCausal.from_lengths(lengths, device=device)
+    ids, score, targets, adv = packed_batch(args, device, lengths)
     t = median_step_time(lambda: model(ids, ctx.positions, ctx, None, logits_at_M=score), targets, adv, model, opt,
                          device, steps)
     del model, opt
+    ops.VARLEN = True
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return t
 
 
-def packed_batch(args, device, seq_len: int, seqs: int):
-    """`seqs` random sequences of `seq_len` tokens packed: (ids, scored positions, their targets, advantages)."""
-    ids = torch.randint(0, args.vocab_size, (seq_len * seqs,), device=device)
-    score = torch.cat([torch.arange(s * seq_len, (s + 1) * seq_len - 1, device=device) for s in range(seqs)])
+def packed_batch(args, device, lengths: list[int]):
+    """Random sequences of these lengths packed: (ids, scored positions, their targets, advantages)."""
+    ids = torch.randint(0, args.vocab_size, (sum(lengths),), device=device)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    score = torch.cat([torch.arange(s, s + n - 1, device=device) for s, n in zip(starts, lengths)])
     return ids, score, ids[score + 1], torch.randn(len(score), device=device)
+
+
+def mixed_lengths(total: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """Lengths uniform in [lo, hi] up to `total` tokens (a packed RL micro-batch: responses of many lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    while sum(out) < total:
+        out.append(min(int(torch.randint(lo, hi + 1, (1,), generator=g)), total - sum(out)))
+    return out
 
 
 def median_step_time(logits_fn, targets, adv, model, opt, device, steps: int) -> float:
@@ -98,21 +114,24 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args(argv)
     device = single_process_group(a.tiny, 29555)
-    configs = ([("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), 64, 8)] if a.tiny else
-               [("0.5B", qwen3_0p5b(), 2048, 8), ("1.7B", qwen3_1p7b(), 2048, 8)])
+    configs = ([("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), "8 x 64", [64] * 8)] if a.tiny else
+               [("0.5B", qwen3_0p5b(), "8 x 2048", [2048] * 8), ("1.7B", qwen3_1p7b(), "8 x 2048", [2048] * 8),
+                ("0.5B", qwen3_0p5b(), "mixed 128-2048", mixed_lengths(16384, 128, 2048)),
+                ("1.7B", qwen3_1p7b(), "mixed 128-2048", mixed_lengths(16384, 128, 2048))])
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)
     rows = []
-    for name, args, seq_len, seqs in configs:
-        tokens = seq_len * seqs
-        for fused in ((False, True) if device.type == "cuda" else (False,)):
-            t = step_time(args, device, seq_len, seqs, a.steps, fused)
-            achieved = train_flops(args, tokens, seq_len) / t
-            rows.append({"config": name, "adamw": "fused" if fused else "foreach", "tokens_per_step": tokens,
-                         "seq_len": seq_len, "step_s": t, "tokens_per_s": tokens / t, "tflops": achieved / 1e12,
-                         "mfu_vs_matmul": achieved / peak})
-            print(f"{name:>10} (AdamW {rows[-1]['adamw']:7s}): {tokens} tokens/step ({seqs} x {seq_len} packed), "
-                  f"{t * 1e3:8.1f} ms/step, {tokens / t:10.0f} tok/s, {achieved / 1e12:7.1f} TFLOP/s = "
-                  f"{100 * achieved / peak:5.1f}% of the measured matmul rate ({peak / 1e12:.0f} TFLOP/s)", flush=True)
+    for name, args, packing, lengths in configs:
+        tokens = sum(lengths)
+        for varlen in ((False, True) if device.type == "cuda" else (False,)):
+            t = step_time(args, device, lengths, a.steps, varlen)
+            achieved = train_flops(args, lengths) / t
+            rows.append({"config": name, "packing": packing, "sequences": len(lengths),
+                         "attention": "varlen" if varlen else "grid", "tokens_per_step": tokens, "step_s": t,
+                         "tokens_per_s": tokens / t, "tflops": achieved / 1e12, "mfu_vs_matmul": achieved / peak})
+            print(f"{name:>10} {packing:>15} ({len(lengths)} seqs), attention {rows[-1]['attention']:6s}: "
+                  f"{tokens} tokens/step, {t * 1e3:8.1f} ms/step, {tokens / t:10.0f} tok/s, {achieved / 1e12:7.1f} "
+                  f"TFLOP/s = {100 * achieved / peak:5.1f}% of the measured matmul rate ({peak / 1e12:.0f} TFLOP/s)",
+                  flush=True)
     dist.destroy_process_group()
     payload = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                "matmul_tflops": peak / 1e12, "rows": rows, "torch": torch.__version__}

@@ -111,7 +111,8 @@ def packed_causal_attention(q_NHD, k_NGD, v_NGD, cu_seqlens_B1: torch.Tensor, ma
     cu_seqlens[b+1]), [N, H, D], by flash attention's varlen kernel: no padded grid, no mask, no
     scatter/gather. None where that kernel does not apply (CPU, fp32, batch-invariant mode, a torch
     without torch.nn.attention.varlen): the caller then takes the padded-grid path."""
-    if _bi() or not q_NHD.is_cuda or q_NHD.dtype not in (torch.float16, torch.bfloat16) or _varlen() is None:
+    if (_bi() or not VARLEN or not q_NHD.is_cuda or q_NHD.dtype not in (torch.float16, torch.bfloat16)
+            or _varlen() is None):
         return None
     fn, params = _varlen()
     h, g = q_NHD.shape[1], k_NGD.shape[1]
@@ -122,6 +123,9 @@ def packed_causal_attention(q_NHD, k_NGD, v_NGD, cu_seqlens_B1: torch.Tensor, ma
         else:  # older torch: give every query head its key/value head
             k_NGD, v_NGD = k_NGD.repeat_interleave(h // g, 1), v_NGD.repeat_interleave(h // g, 1)
     return fn(q_NHD, k_NGD, v_NGD, cu_seqlens_B1, cu_seqlens_B1, max_len, max_len, **kwargs)
+
+
+VARLEN = True  # benchmarks switch it off to time the padded-grid path side by side
 
 
 @functools.cache

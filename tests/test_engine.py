@@ -269,46 +269,34 @@ def test_a_truncating_neighbour_does_not_truncate_a_row_that_asked_for_none(monk
     assert with_neighbour.tolist() == [1, 0]  # row 1 is truncated to its top token; row 0 is not
 
 
-def test_engine_weights_are_one_buffer_with_fused_projections_that_follow_updates(dense_dir):
-    """The engine's parameters are views of one buffer in named_parameters order; q/k/v and gate/up are
-    also one matrix each (views, so weight updates land in them); the fused forward equals the
-    three-GEMM one to rounding, and batch-invariant mode keeps the separate GEMMs bit for bit."""
-    import copy
-
-    from lockstep_kernels import batch_invariant_mode
+def test_engine_weights_are_one_buffer_and_an_export_in_that_layout_is_one_copy(dense_dir):
+    """The engine's parameters are views of one buffer in named_parameters order; an update whose
+    tensors are views of one buffer in the same order (the trainer's flat-bucket export) is applied as
+    one span copy, separate tensors by the multi-tensor copy; a memory release and resume keep the layout."""
     from pipeline.models.flat import copy_tensors
 
     _, model = load_model(dense_dir)
-    plain = copy.deepcopy(model)
     engine = Engine(model, max_running=2, context_length=32, eos_token_ids=[0], device=torch.device("cpu"),
                     dtype=torch.float32)
     (flat,) = engine.flat_weights
     params = list(model.named_parameters())
     assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for _, p in params)
-    assert [p.storage_offset() for _, p in params] == list(torch.tensor([0] + [p.numel() for _, p in params[:-1]]).cumsum(0))
-    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    assert torch.equal(attn.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    assert torch.equal(mlp.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    offsets = [p.storage_offset() for _, p in params]
+    assert offsets == [sum(p.numel() for _, p in params[:i]) for i in range(len(params))]
 
-    ids = torch.tensor([5, 6, 7, 8, 9, 10])
-    ctx = PackedCausal.from_lengths([4, 2])
-    at = torch.arange(6)
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids, ctx.positions, ctx, logits_at_M=at),
-                                   plain(ids, ctx.positions, ctx, logits_at_M=at), rtol=1e-5, atol=1e-5)
-        with batch_invariant_mode():
-            assert torch.equal(model(ids, ctx.positions, ctx, logits_at_M=at), plain(ids, ctx.positions, ctx, logits_at_M=at))
-
-    # An update exported as one flat buffer in the same order is applied as one span copy, and the
-    # fused views see it.
     export = torch.randn(flat.numel(), generator=torch.Generator().manual_seed(0))
-    named, at_ = {}, 0
+    named, at = {}, 0
     for n, p in params:
-        named[n] = export[at_: at_ + p.numel()].view(p.shape)
-        at_ += p.numel()
+        named[n] = export[at: at + p.numel()].view(p.shape)
+        at += p.numel()
     assert copy_tensors([p for _, p in params], list(named.values())) == 1
     assert torch.equal(flat, export)
-    engine.load_weights({n: t * 2 for n, t in named.items()}, "2")  # separate tensors: the multi-tensor copy
+    engine.load_weights({n: t * 2 for n, t in named.items()}, "2")  # separate tensors
     assert torch.equal(flat, export * 2)
-    q, k, v = (named[f"model.layers.1.self_attn.{x}_proj.weight"] * 2 for x in "qkv")
-    assert torch.equal(attn.qkv_weight, torch.cat([q, k, v]))
+    engine.pause()
+    engine.release_memory(["weights"])
+    assert flat.untyped_storage().nbytes() == 0
+    engine.resume_memory(["weights"])
+    engine.load_weights(named, "3")
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for _, p in params)
+    assert torch.equal(flat, export) and torch.equal(params[1][1], named[params[1][0]])

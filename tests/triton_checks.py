@@ -245,44 +245,9 @@ def check_varlen_attention(small):
     return out
 
 
-def check_fused_projections(small):
-    """The engine's fused q/k/v and gate/up GEMMs (views of its flat weights) against the model's
-    separate projections: bf16 logits within rounding; batch-invariant mode bit-identical (it keeps
-    the separate projections)."""
-    import copy
-    import dataclasses
-
-    import lockstep_kernels as kernels
-    from pipeline.models.attention import PackedCausal
-    from pipeline.models.config import tiny_preset
-    from pipeline.models.flat import flatten_parameters, fuse_projections
-    from pipeline.models.qwen3 import Qwen3ForCausalLM
-
-    args = dataclasses.replace(tiny_preset("tiny-dense", 1000, None, 0, None), hidden_size=256, intermediate_size=768,
-                               num_attention_heads=8, num_key_value_heads=2, head_dim=32)
-    plain = Qwen3ForCausalLM(args)
-    plain.init_weights(0)
-    plain = plain.to(device=DEV, dtype=torch.bfloat16)
-    fused = copy.deepcopy(plain)
-    flatten_parameters(fused)
-    assert fuse_projections(fused) == 2 * args.num_hidden_layers
-    ctx = PackedCausal.from_lengths([7, 30, 1], device=DEV)
-    ids = torch.arange(38, device=DEV) * 7 % 1000
-    at = torch.arange(38, device=DEV)
-    with torch.inference_mode():
-        a, b = fused(ids, ctx.positions, ctx, logits_at_M=at), plain(ids, ctx.positions, ctx, logits_at_M=at)
-        err = rel(a, b)
-        assert err < 2e-2, err
-        with kernels.batch_invariant_mode():
-            same = torch.equal(fused(ids, ctx.positions, ctx, logits_at_M=at), plain(ids, ctx.positions, ctx, logits_at_M=at))
-    assert same
-    return {"fused_vs_separate": err, "batch_invariant_bit_identical": same}
-
-
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention,
-          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
-          "fused_projections": check_fused_projections}
+          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention}
 
 
 def main() -> int:

@@ -64,8 +64,6 @@ def apply_rope(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) 
 
 
 class Attention(nn.Module):
-    qkv_weight: torch.Tensor | None = None  # [q; k; v] as one matrix (a view: pipeline/models/flat.py)
-
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
@@ -79,10 +77,7 @@ class Attention(nn.Module):
 
     def forward(self, x_ND, cos, sin, ctx: AttentionContext, layer_idx: int):
         n, hd = x_ND.shape[0], self.head_dim
-        if self.qkv_weight is not None and not kernels.is_batch_invariant():
-            q, k, v = kernels.linear(x_ND, self.qkv_weight).split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], -1)
-        else:
-            q, k, v = self.q_proj(x_ND), self.k_proj(x_ND), self.v_proj(x_ND)
+        q, k, v = self.q_proj(x_ND), self.k_proj(x_ND), self.v_proj(x_ND)
         q = apply_rope(self.q_norm(q.unflatten(-1, (self.n_heads, hd))), cos, sin)
         k = apply_rope(self.k_norm(k.unflatten(-1, (self.n_kv, hd))), cos, sin)
         v = v.unflatten(-1, (self.n_kv, hd))
@@ -91,8 +86,6 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    gate_up_weight: torch.Tensor | None = None  # [gate; up] as one matrix (a view: pipeline/models/flat.py)
-
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_proj = Linear(hidden, inner, bias=False)
@@ -100,9 +93,6 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, hidden, bias=False)
 
     def forward(self, x):
-        if self.gate_up_weight is not None and not kernels.is_batch_invariant():
-            gate, up = kernels.linear(x, self.gate_up_weight).chunk(2, -1)
-            return self.down_proj(kernels.silu(gate) * up)
         return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -117,13 +107,19 @@ class MoeRouting:
     would send the recorded lists to a copy.
     """
 
-    def __init__(self, trace_NLk: torch.Tensor | None = None, replay: bool = False, record: bool = False):
+    def __init__(self, trace_NLk: torch.Tensor | None = None, replay: bool = False, record: bool = False,
+                 jitter: float = 0.0):
         self.trace_NLk, self.replay, self.record = trace_NLk, replay, record
+        self.jitter = jitter  # fault injection only (pipeline/faults.py: engine_router_jitter)
         self.recorded: list[torch.Tensor] = []
         self.mismatch: list[torch.Tensor] = []
         self.compared: list[torch.Tensor] = []
 
     def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
+        if self.jitter:
+            gen = torch.Generator(logits_NE.device).manual_seed(moe_idx)
+            noise = torch.randn(logits_NE.shape, generator=gen, device=logits_NE.device)
+            logits_NE = logits_NE + (self.jitter * noise).to(logits_NE.dtype)
         probs_NE = kernels.softmax(logits_NE)
         live_Nk = kernels.topk_indices(probs_NE, k)
         idx_Nk = live_Nk

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline import faults
 from pipeline.models.config import ModelArgs
-from pipeline.models.flat import flatten_parameters, fuse_projections
+from pipeline.models.flat import flatten_parameters
 from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
@@ -116,10 +117,11 @@ class Engine:
             to_fp8(self.model)
         elif quantization is not None:
             raise ValueError(f"engine quantization {quantization!r}: the built-in engine knows fp8 only")
-        # Parameters as views of one buffer per dtype: an exported version is applied as one copy, and
-        # q/k/v and gate/up run as one GEMM each outside batch-invariant mode (pipeline/models/flat.py).
+        # Parameters as views of one buffer per dtype: an exported version is applied as one span copy
+        # per bucket (pipeline/models/flat.py).
         self.flat_weights = flatten_parameters(self.model)
-        fuse_projections(self.model)
+        self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
+        self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise
         self.device, self.dtype = device, dtype
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
@@ -252,7 +254,7 @@ class Engine:
     def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor):
         """Logits [B, V] at `logits_at` (each sequence's last new token), the routing record, and when
         speculating the last layer's hidden states [N, D] (what the MTP draft head reads; else None)."""
-        routing = MoeRouting(record=True) if (record and self.args.is_moe) else None
+        routing = MoeRouting(record=True, jitter=self.router_jitter) if (record and self.args.is_moe) else None
         ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
         out = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at, return_hidden=self.spec is not None)
         logits, hidden = out if self.spec is not None else (out, None)
@@ -342,7 +344,7 @@ class Engine:
     # ---- weights ----------------------------------------------------------------------------------
     def load_weights(self, named: dict[str, torch.Tensor], version: str) -> None:
         """Swap in a complete set (or subset) of weights between steps."""
-        params = dict(self.model.named_parameters())
+        params = self.params
         with self.model_lock, torch.no_grad():
             if "weights" in self.released:  # memory comes back; the update fills it
                 self._resume_weights()

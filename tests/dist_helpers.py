@@ -41,12 +41,17 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
         trainer = Trainer(cfg, run_dir)
         metrics = trainer.train_on(random_batch(trainer.backend.args.vocab_size))
         b = trainer.backend
-        state = dict(b.full_state())  # parameter by parameter
+        state = {n: t.clone() for n, t in b.full_state()}  # parameter by parameter (on one rank: the parameters)
         # the weight sync's export: flat buckets in the forward's dtype (small ones here: several buckets)
         flat = [list(full_state(b.model, b.args, b.compute_dtype, bucket_bytes=bb)) for bb in (512 << 20, 4096)]
+        # the export's plan is kept between syncs: an in-place update (what the optimizer does) shows
+        with torch.no_grad():
+            for p in b.model.parameters():
+                p.mul_(2)
+        flat.append(list(full_state(b.model, b.args, b.compute_dtype, bucket_bytes=4096)))
         if rank == 0:
             storages = [len({t.untyped_storage().data_ptr() for _, t in f}) for f in flat]
-            torch.save({"state": state, "metrics": metrics, "flat": [dict(f) for f in flat],
+            torch.save({"state": state, "metrics": metrics, "flat": [dict(f) for f in flat[:2]], "doubled": dict(flat[2]),
                         "flat_order": [n for n, _ in flat[0]], "flat_storages": storages}, out)
     finally:
         dist.destroy_process_group()

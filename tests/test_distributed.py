@@ -52,6 +52,7 @@ def test_fsdp_two_ranks_equal_one(which, algo, request, tmp_path):
             for name, t in flat.items():
                 assert torch.equal(t, run["state"][name]), name
         assert run["flat_storages"][0] == 1 and run["flat_storages"][1] > 3
+        assert all(torch.equal(t, 2 * run["state"][name]) for name, t in run["doubled"].items())
 
 
 def test_weight_broadcast_is_bit_exact(dense_dir, engine_factory):

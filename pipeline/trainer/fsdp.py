@@ -9,6 +9,7 @@ weights are cast, so true on-policy mode sees the same numbers on both sides.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -58,73 +59,124 @@ def full_state(model, args, dtype: torch.dtype | None = None,
     are views of the bucket, so an engine whose parameters share that layout (pipeline/models/flat.py)
     applies a bucket as one copy. Any other dtype gathers and casts parameter by parameter."""
     named = [(n, p) for n, p in model.named_parameters() if not (args.tie_word_embeddings and n == "lm_head.weight")]
-    if dtype is None or dtype != _param_dtype(model) or not all(_dim0_sharded(p) for _, p in named):
+    plan = _export_plan(model, named, dtype, bucket_bytes) if dtype is not None else None
+    if plan is None:
         for name, p in model.state_dict().items():
             if args.tie_word_embeddings and name == "lm_head.weight":
                 continue
             t = p.full_tensor() if isinstance(p, DTensor) else p
             yield name, t.detach().to(dtype or t.dtype)
         return
-    bucket, size = [], 0
-    for n, p in named:
-        if bucket and size + p.numel() * dtype.itemsize > bucket_bytes:
-            yield from _gather_bucket(bucket, dtype)
-            bucket, size = [], 0
-        bucket.append((n, p))
-        size += p.numel() * dtype.itemsize
-    if bucket:
+    for bucket in plan:
         yield from _gather_bucket(bucket, dtype)
 
 
-# torch >= 2.13 names all_gather_into_tensor all_gather_single (and deprecates the old name)
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+@dataclass
+class _Bucket:
+    """One flat bucket of the export: what does not change between weight syncs (~1-2 us of Python per
+    parameter and op, ~300 parameters a version, so it is worked out once)."""
+
+    names: list[str]
+    shapes: list[torch.Size]
+    numels: list[int]
+    slots: list[int]  # elements of every rank's (padded) shard
+    shards: list[torch.Tensor]  # this rank's shards, flat; their data is what changes
+    group: object  # the process group of the all-gather (None on one rank)
+
+
+_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _export_plan(model, named, dtype: torch.dtype, bucket_bytes: int) -> list[_Bucket] | None:
+    """The model's buckets (None: not a model of dim-0 sharded parameters whose forward runs in
+    `dtype`), kept while its parameters and their local shards are the same objects."""
+    key = (dtype, bucket_bytes, [id(p) for _, p in named], [id(_local(p)) for _, p in named])
+    cached = _plans.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if dtype != _param_dtype(model) or not all(_dim0_sharded(p) for _, p in named):
+        _plans[model] = (key, None)
+        return None
+    buckets, part, size = [], [], 0
+    for n, p in named:
+        if part and size + p.numel() * dtype.itemsize > bucket_bytes:
+            buckets.append(_bucket(part))
+            part, size = [], 0
+        part.append((n, p))
+        size += p.numel() * dtype.itemsize
+    if part:
+        buckets.append(_bucket(part))
+    _plans[model] = (key, buckets)
+    return buckets
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (DTensor.to_local() costs ~20 us of Python; its local tensor is
+    the same object)."""
+    if not isinstance(p, DTensor):
+        return p
+    local = getattr(p, "_local_tensor", None)
+    return p.to_local() if local is None else local
+
+
+def _bucket(part: list[tuple[str, torch.Tensor]]) -> _Bucket:
+    mesh = next((p.device_mesh for _, p in part if isinstance(p, DTensor)), None)
+    world = mesh.size() if mesh is not None else 1
+    rows = [-(-p.shape[0] // world) if p.dim() else 1 for _, p in part]  # rows of every rank's padded shard
+    slots = [r * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) for r, (_, p) in zip(rows, part)]
+    return _Bucket([n for n, _ in part], [p.shape for _, p in part], [p.numel() for _, p in part], slots,
+                   [_local(p).detach().reshape(-1) for _, p in part], mesh.get_group() if world > 1 else None)
+
+
+def _all_gather_rows(out_WL: torch.Tensor, local_L: torch.Tensor, group) -> None:
+    """out_WL[r] = rank r's local_L. On gloo through the list form: its single-tensor all-gather left
+    trainer processes aborting at exit ("terminate called without an active exception") in 2 of 5
+    two-rank runs (torch 2.13), the list form in none of 5. Elsewhere the single-tensor form, which
+    gathers straight into the buffer (torch >= 2.13 calls it all_gather_single)."""
+    if dist.get_backend(group) == "gloo":
+        dist.all_gather(list(out_WL.unbind(0)), local_L, group=group)
+    else:
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out_WL.view(-1), local_L, group=group)
 
 
 def _dim0_sharded(p: torch.Tensor) -> bool:
     return not isinstance(p, DTensor) or (p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),))
 
 
-@torch.no_grad()
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(b: _Bucket, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors of one bucket of dim-0 sharded parameters (torch.chunk's split, as FSDP2's), as
-    views of one flat buffer."""
-    mesh = next((p.device_mesh for _, p in bucket if isinstance(p, DTensor)), None)
-    world = mesh.size() if mesh is not None else 1
-    rows = [-(-p.shape[0] // world) if p.dim() else 1 for _, p in bucket]  # rows of every rank's padded shard
-    slot = [r * (p.numel() // max(p.shape[0], 1) if p.dim() else 1) for r, (_, p) in zip(rows, bucket)]
-    device = bucket[0][1].device
-    local = torch.empty(sum(slot), dtype=dtype, device=device)
+    views of one flat buffer. No autograd here: the shards are detached, the buffers new."""
+    device = b.shards[0].device
+    local = torch.empty(sum(b.slots), dtype=dtype, device=device)
     dst, src = [], []
-    # one split for all the views (Python costs ~1-2 us an op, ~300 parameters a version)
-    for (_, p), view in zip(bucket, local.split(slot)):
-        shard = getattr(p, "_local_tensor", None) if isinstance(p, DTensor) else p  # to_local() costs ~20 us
-        shard = (p.to_local() if shard is None else shard).detach().reshape(-1)
+    for shard, view in zip(b.shards, local.split(b.slots)):
         if shard.numel():
             dst.append(view if shard.numel() == view.numel() else view[: shard.numel()])
             src.append(shard)
     torch._foreach_copy_(dst, src)  # casts to the forward's dtype, as FSDP's all-gather does
-    if world == 1:
+    if b.group is None:
         out = local
     else:
+        world = dist.get_world_size(b.group)
         gathered = torch.empty(world * local.numel(), dtype=dtype, device=device)
-        _all_gather_flat(gathered, local, group=mesh.get_group())
         by_rank = gathered.view(world, local.numel())
-        out = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=device)
+        _all_gather_rows(by_rank, local, b.group)
+        out = torch.empty(sum(b.numels), dtype=dtype, device=device)
         dst, src, offset, at = [], [], 0, 0
-        for (_, p), width in zip(bucket, slot):
-            full = width and p.numel() // width  # ranks whose shard is a full slot; the next holds the rest
+        for numel, width in zip(b.numels, b.slots):
+            full = width and numel // width  # ranks whose shard is a full slot; the next holds the rest
             if full:
                 dst.append(out[at: at + full * width].view(full, width))
                 src.append(by_rank[:full, offset: offset + width])
-            rest = p.numel() - full * width
+            rest = numel - full * width
             if rest:
-                dst.append(out[at + full * width: at + p.numel()])
+                dst.append(out[at + full * width: at + numel])
                 src.append(by_rank[full, offset: offset + rest])
             offset += width
-            at += p.numel()
+            at += numel
         torch._foreach_copy_(dst, src)
-    for (n, p), view in zip(bucket, out.split([p.numel() for _, p in bucket])):
-        yield n, view.view(p.shape)
+    for name, shape, view in zip(b.names, b.shapes, out.split(b.numels)):
+        yield name, view.view(shape)
 
 
 def _param_dtype(model) -> torch.dtype | None:

@@ -32,12 +32,7 @@ def flatten_parameters(model: nn.Module) -> list[torch.Tensor]:
     return flats
 
 
-def follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if contiguous `b` starts where contiguous `a` ends, in the same storage and dtype."""
-    return _follows(_place(a), _place(b))
-
-
-def _place(t: torch.Tensor) -> tuple:
+def _place(t: torch.Tensor) -> tuple | None:
     """(storage address, dtype, offset, end) of a contiguous tensor; None for any other."""
     if not t.is_contiguous():
         return None
@@ -45,6 +40,7 @@ def _place(t: torch.Tensor) -> tuple:
 
 
 def _follows(a: tuple | None, b: tuple | None) -> bool:
+    """True if contiguous `b` starts where contiguous `a` ends, in the same storage and dtype."""
     return a is not None and b is not None and a[:2] == b[:2] and b[2] == a[3]
 
 

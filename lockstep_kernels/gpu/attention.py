@@ -1,6 +1,7 @@
 """Batch-invariant causal GQA attention in Triton (forward), for both prefill and KV-cache decode.
 
-Layers: `online_softmax_step` (one key block, shared with lockstep_kernels/gpu/decode_attention.py),
+Layers: `online_softmax_step` and `load_kv_block` (one key block, shared with
+lockstep_kernels/gpu/decode_attention.py),
 `_bi_attention_kernel` (one program per BLOCK_M queries of one (sequence, head)), `attention_fwd`
 (launcher), `BiAttention` (autograd: backward recomputes through torch's SDPA), `bi_attention`.
 
@@ -46,6 +47,18 @@ def online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr
 
 
 @triton.jit
+def load_kv_block(k_row_ptr, v_row_ptr, cols, kmask, offs_d, sk_t, sv_t, UPCAST: tl.constexpr):
+    """Keys and values at positions `cols` ([BLOCK_N, D], 0 where not `kmask`) of one KV head, whose
+    position 0 is at k_row_ptr / v_row_ptr; fp32 when UPCAST."""
+    k = tl.load(k_row_ptr + cols[:, None] * sk_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    v = tl.load(v_row_ptr + cols[:, None] * sv_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
                          sq_b, sq_h, sq_q, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_h, so_q,
                          H, G, T, scale,
@@ -84,11 +97,8 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
         for start in range(0, kv_end, BLOCK_N):
             cols = start + offs_n
             kmask = cols < T
-            k = tl.load(k_ptr + b * sk_b + g * sk_g + cols[:, None] * sk_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
-            v = tl.load(v_ptr + b * sv_b + g * sv_g + cols[:, None] * sv_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_block(k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g, cols, kmask, offs_d,
+                                 sk_t, sv_t, UPCAST)
             m_i, l_i, acc = online_softmax_step(q, k, v, (cols[None, :] <= qpos[:, None]) & kmask[None, :],
                                                 m_i, l_i, acc, scale, IEEE)
         out = acc / l_i[:, None]

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.attention import INTERPRET, online_softmax_step
+from lockstep_kernels.gpu.attention import INTERPRET, load_kv_block, online_softmax_step
 
 
 @triton.jit
@@ -51,11 +51,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         kmask = cols < hi
-        k = tl.load(k_ptr + b * sk_s + g * sk_g + cols[:, None] * sk_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + b * sv_s + g * sv_g + cols[:, None] * sv_t + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_block(k_ptr + b * sk_s + g * sk_g, v_ptr + b * sv_s + g * sv_g, cols, kmask, offs_d,
+                             sk_t, sv_t, UPCAST)
         m_i, l_i, acc = online_softmax_step(q, k, v, kmask[None, :], m_i, l_i, acc, scale, IEEE)
     empty = hi <= lo  # a split past the sequence's end: weight 0 in the combine
     out = tl.where(empty, 0.0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])

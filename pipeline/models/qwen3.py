@@ -76,11 +76,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, args.rms_norm_eps)
 
     def forward(self, x_ND, cos, sin, ctx: AttentionContext, layer_idx: int):
-        n, hd = x_ND.shape[0], self.head_dim
-        q, k, v = self.q_proj(x_ND), self.k_proj(x_ND), self.v_proj(x_ND)
-        q = apply_rope(self.q_norm(q.unflatten(-1, (self.n_heads, hd))), cos, sin)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (self.n_kv, hd))), cos, sin)
-        v = v.unflatten(-1, (self.n_kv, hd))
+        n = x_ND.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x_ND).view(n, self.n_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x_ND).view(n, self.n_kv, self.head_dim)), cos, sin)
+        v = self.v_proj(x_ND).view(n, self.n_kv, self.head_dim)
         o_NHD = ctx.attend(layer_idx, q, k, v)
         return self.o_proj(o_NHD.reshape(n, self.n_heads * self.head_dim))
 

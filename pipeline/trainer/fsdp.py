@@ -158,8 +158,7 @@ def _gather_bucket(b: _Bucket, dtype: torch.dtype) -> Iterator[tuple[str, torch.
         out = local
     else:
         world = dist.get_world_size(b.group)
-        gathered = torch.empty(world * local.numel(), dtype=dtype, device=device)
-        by_rank = gathered.view(world, local.numel())
+        by_rank = torch.empty(world, local.numel(), dtype=dtype, device=device)
         _all_gather_rows(by_rank, local, b.group)
         out = torch.empty(sum(b.numels), dtype=dtype, device=device)
         dst, src, offset, at = [], [], 0, 0

@@ -126,7 +126,7 @@ class WeightReceiver:
         any other computes in its own dtype with the FP8 values, W = q * scale_inv."""
         if self.engine.quantization == "fp8" or not any(n.endswith(SCALE_SUFFIX) for n in staged):
             return staged
-        dtypes = {n: p.dtype for n, p in self.engine.model.named_parameters()}
+        dtypes = {n: p.dtype for n, p in self.engine.params.items()}
         return dequantize_fp8_pairs(staged, dtypes)
 
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
@@ -137,8 +137,7 @@ class WeightReceiver:
             return False, "serialized_named_tensors is empty"
         try:
             named = load_named_tensors(payloads[0])
-            params = dict(self.engine.model.named_parameters())
-            unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in params]
+            unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in self.engine.params]
             if unknown:
                 return False, f"unknown parameter(s) {unknown[:3]}: no weights changed"
             staged = self.dequantized({n: t.to(self.engine.device, copy=True) for n, t in named})

@@ -127,7 +127,7 @@ class EngineServer:
         from lockstep_kernels import fp8
         from pipeline.models.fp8 import SCALE_SUFFIX
 
-        params = dict(self.engine.model.named_parameters())
+        params = self.engine.params
         name = body.get("name")
         if name not in params:
             return HTTPStatus.BAD_REQUEST, {"error": f"no parameter {name!r}"}

@@ -6,26 +6,24 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from pipeline.models.config import ModelArgs  # noqa: E402
+from pipeline.models.config import ModelArgs, model_preset  # noqa: E402
 
 
 def qwen3_0p5b(vocab: int = 151936, layers: int = 24, moe: bool = False) -> ModelArgs:
-    """Qwen2.5-0.5B-sized Qwen3 architecture (hidden 896, 14 heads, 2 kv heads, head dim 64)."""
+    """The qwen3-0.5b preset (Qwen2.5-0.5B's shape: hidden 896, 14 heads, 2 kv heads, head dim 64) with
+    EOS id 0, optionally fewer layers or MoE MLPs."""
     extra = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=1216) if moe else {}
-    return ModelArgs(vocab_size=vocab, hidden_size=896, num_hidden_layers=layers, num_attention_heads=14,
-                     num_key_value_heads=2, head_dim=64, intermediate_size=4864, max_position_embeddings=4096,
-                     rope_theta=1e6, tie_word_embeddings=True, eos_token_id=0, **extra)
+    return replace(model_preset("qwen3-0.5b", vocab, None, 0, None), vocab_size=vocab, num_hidden_layers=layers, **extra)
 
 
 def qwen3_1p7b(vocab: int = 151936) -> ModelArgs:
-    return ModelArgs(vocab_size=vocab, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=6144, max_position_embeddings=4096,
-                     rope_theta=1e6, tie_word_embeddings=True, eos_token_id=0)
+    return replace(model_preset("qwen3-1.7b", vocab, None, 0, None), vocab_size=vocab)
 
 
 def single_process_group(tiny: bool, port: int) -> torch.device:

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, generate, qwen3_0p5b, sync, write  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.hf_io import load_model, save_model  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
@@ -96,7 +96,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args = tiny_preset("tiny-dense", 64, None, 0, None) if a.tiny else qwen3_0p5b()
+    args = model_preset("tiny-dense", 64, None, 0, None) if a.tiny else qwen3_0p5b()
     batches = a.batches or ([1, 4] if a.tiny else [1, 16, 64, 256])
     prompt, new = a.prompt or (16 if a.tiny else 128), a.new or (16 if a.tiny else 128)
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
 from lockstep_kernels import fp8  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.rollout.engine.core import Engine  # noqa: E402
 from pipeline.weights.quant import dequantize_fp8_pairs, fp8_stream, is_fp8_target  # noqa: E402
@@ -91,7 +91,7 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     copy_gbps = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20)) / 1e9
-    models = ([("tiny-dense-256", tiny_preset("tiny-dense", 256, 1, 2, 0))] if a.tiny
+    models = ([("tiny-dense-256", model_preset("tiny-dense", 256, 1, 2, 0))] if a.tiny
               else [("qwen3-0.5B", qwen3_0p5b()), ("qwen3-1.7B", qwen3_1p7b())])
     rows = [measure(name, args, device, copy_gbps) for name, args in models]
     keys = list(rows[0])

@@ -22,7 +22,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.common import qwen3_0p5b, single_process_group, write  # noqa: E402
 from bench.trainer_bench import matmul_rate, median_step_time, packed_batch, step_time, train_flops  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args(argv)
     device = single_process_group(a.tiny, 29556)
-    name, args, seq_len, seqs = (("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), 64, 8) if a.tiny
+    name, args, seq_len, seqs = (("tiny-dense", model_preset("tiny-dense", 64, None, 0, None), 64, 8) if a.tiny
                                  else ("0.5B", qwen3_0p5b(), 2048, 8))
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)
     flops = train_flops(args, seq_len * seqs, seq_len)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import qwen3_0p5b, sync  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams  # noqa: E402
 
@@ -33,7 +33,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    args = tiny_preset("tiny-dense", 64, None, 0, None) if a.tiny else qwen3_0p5b()
+    args = model_preset("tiny-dense", 64, None, 0, None) if a.tiny else qwen3_0p5b()
     args = dataclasses.replace(args, mtp_num_hidden_layers=1 if a.spec else 0)
     with torch.device(device):
         model = Qwen3ForCausalLM(args)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from bench.common import qwen3_0p5b, qwen3_1p7b, single_process_group, sync  # noqa: E402
 from bench.trainer_bench import mixed_lengths, packed_batch  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.logprobs import token_logprobs  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.trainer.fsdp import shard  # noqa: E402
@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args(argv)
     device = single_process_group(a.tiny, 29558)
-    args = tiny_preset("tiny-dense", 64, None, 0, None) if a.tiny else {"0.5B": qwen3_0p5b, "1.7B": qwen3_1p7b}[a.config]()
+    args = model_preset("tiny-dense", 64, None, 0, None) if a.tiny else {"0.5B": qwen3_0p5b, "1.7B": qwen3_1p7b}[a.config]()
     lengths = [64] * 8 if a.tiny else mixed_lengths(16384, 128, 2048)
     torch.manual_seed(0)
     model = shard(Qwen3ForCausalLM(args).to(device), init_device_mesh(device.type, (1,)),

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import lockstep_kernels as kernels  # noqa: E402
 from bench.common import generate, qwen3_0p5b, write  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.logprobs import token_logprobs  # noqa: E402
 from pipeline.models.mtp import mtp_inputs  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if a.tiny:
-        args, plen, new, batches, n_train, steps = tiny_preset("tiny-dense", 64, None, 0, None), 8, 24, [1, 8], 32, 150
+        args, plen, new, batches, n_train, steps = model_preset("tiny-dense", 64, None, 0, None), 8, 24, [1, 8], 32, 150
     else:
         args, plen, new, batches, n_train, steps = qwen3_0p5b(), 64, 128, [1, 8, 32], 64, 300
     args = dataclasses.replace(args, mtp_num_hidden_layers=1, initializer_range=a.init_std)

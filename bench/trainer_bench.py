@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from bench.common import qwen3_0p5b, qwen3_1p7b, single_process_group, sync, write  # noqa: E402
 from pipeline.models.attention import PackedCausal  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.logprobs import token_logprobs  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.trainer.fsdp import shard  # noqa: E402
@@ -114,7 +114,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args(argv)
     device = single_process_group(a.tiny, 29555)
-    configs = ([("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None), "8 x 64", [64] * 8)] if a.tiny else
+    configs = ([("tiny-dense", model_preset("tiny-dense", 64, None, 0, None), "8 x 64", [64] * 8)] if a.tiny else
                [("0.5B", qwen3_0p5b(), "8 x 2048", [2048] * 8), ("1.7B", qwen3_1p7b(), "8 x 2048", [2048] * 8),
                 ("0.5B", qwen3_0p5b(), "mixed 128-2048", mixed_lengths(16384, 128, 2048)),
                 ("1.7B", qwen3_1p7b(), "mixed 128-2048", mixed_lengths(16384, 128, 2048))])

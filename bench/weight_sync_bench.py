@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
-from pipeline.models.config import tiny_preset  # noqa: E402
+from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.rollout.engine.core import Engine  # noqa: E402
 from pipeline.trainer.fsdp import full_state, shard  # noqa: E402
@@ -76,7 +76,7 @@ def main(argv=None):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29556",
                             rank=0, world_size=1)
     bw = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26) / 2  # bytes copied per second
-    configs = ([("tiny-dense", tiny_preset("tiny-dense", 64, None, 0, None))] if a.tiny
+    configs = ([("tiny-dense", model_preset("tiny-dense", 64, None, 0, None))] if a.tiny
                else [("0.5B", qwen3_0p5b()), ("1.7B", qwen3_1p7b())])
     rows = []
     print(f"device copy: {bw / 1e9:.0f} GB/s (bytes copied per second). An update cast from fp32 master weights"

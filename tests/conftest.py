@@ -18,13 +18,13 @@ torch.set_num_threads(1)
 def make_model_dir(path: str, preset: str, seed: int = 0, tie: bool = False) -> str:
     import dataclasses
 
-    from pipeline.models.config import tiny_preset
+    from pipeline.models.config import model_preset
     from pipeline.models.hf_io import save_model
     from pipeline.models.qwen3 import Qwen3ForCausalLM
     from pipeline.models.tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(path + ".tok")
-    args = tiny_preset(preset, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    args = model_preset(preset, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     if tie:
         args = dataclasses.replace(args, tie_word_embeddings=True)
     model = Qwen3ForCausalLM(args)

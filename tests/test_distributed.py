@@ -1,4 +1,4 @@
-"""Real gloo process groups: FSDP2 across 2 processes, and the weight broadcast into an engine process."""
+"""Real gloo process groups: FSDP2 across 2 processes, and the weight update (broadcast or shared-memory handles) into an engine process."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipeline.config.schema import BroadcastWeightsConfig
+from pipeline.config.schema import WeightsConfig
 from pipeline.models.hf_io import load_model
 from pipeline.rollout.client import EngineClient
-from pipeline.weights.broadcast import BroadcastSender
+from pipeline.weights.tensor import TensorSender, make_sender
 
 import dist_helpers
 
@@ -55,7 +55,9 @@ def test_fsdp_two_ranks_equal_one(which, algo, request, tmp_path):
         assert all(torch.equal(t, 2 * run["state"][name]) for name, t in run["doubled"].items())
 
 
-def test_weight_broadcast_is_bit_exact(dense_dir, engine_factory):
+@pytest.mark.parametrize("transport", ["broadcast", "tensor"])
+def test_weight_update_is_bit_exact(transport, dense_dir, engine_factory):
+    """A gloo broadcast, or shared-memory handles of the trainer's tensors (weights.type=tensor)."""
     eng = engine_factory(dense_dir)
     client = EngineClient(eng.url)
     before = client.generate([[5, 6, 7]], [{"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}])[0]
@@ -63,8 +65,9 @@ def test_weight_broadcast_is_bit_exact(dense_dir, engine_factory):
     gen = torch.Generator().manual_seed(0)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
     # Small buckets: several update requests, the version switches only with the last one.
-    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.02, timeout_s=60), [client], torch.device("cpu"),
-                             "127.0.0.1")
+    sender = make_sender(WeightsConfig(type=transport, bucket_size_mb=0.02, timeout_s=60), [client],
+                         torch.device("cpu"), "127.0.0.1")
+    assert isinstance(sender, TensorSender) == (transport == "tensor")
     sender.connect()
     stats = sender.send(list(new.items()), version=5)
     assert stats["bytes"] == sum(v.numel() * 4 for v in new.values()) and stats["buckets"] > 3

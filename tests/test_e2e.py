@@ -14,6 +14,7 @@ import torch
 
 from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
+from pipeline.observability.report import step_split
 
 from conftest import REPO, wait_until
 
@@ -63,7 +64,13 @@ def test_tiny_recipe_learns(tmp_path):
     assert all(r["weights/version"] - 1 == r["rollout/weight_version_min"] for r in records)
     # Engine and trainer run the same fp32 model: their logprobs agree closely (bitwise in true on-policy mode).
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in records) < 1e-4
-    assert "reward" in res.stdout and "->" in res.stdout  # the summary
+    assert "reward" in res.stdout and "->" in res.stdout and "response tokens/s" in res.stdout  # the summary
+    # The step split (bench/e2e_bench.py's table): the phases add up to the step, tokens match the records.
+    split = step_split(records)
+    assert split["steps"] == 99
+    assert split["rollout_frac"] + split["train_frac"] + split["weight_sync_frac"] == pytest.approx(1.0, abs=0.02)
+    assert split["tokens_per_s"] * split["step_s"] == pytest.approx(mean([r["rollout/tokens"] for r in records[1:]]))
+    assert split["rollout_tokens_per_s"] > split["tokens_per_s"] > 0
     assert os.path.getsize(run_dir / "reward.png") > 10_000
     # The exported policy is a Hugging Face directory transformers can load.
     transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO
 from lockstep_kernels import fp8
-from pipeline.config.schema import BroadcastWeightsConfig
+from pipeline.config.schema import WeightsConfig
 from pipeline.errors import ConfigError
 from pipeline.models.hf_io import load_model
 from pipeline.rollout.client import EngineClient
@@ -78,7 +78,7 @@ def test_fp8_weight_sync_lands_on_the_engine_bit_exactly(dense_dir, engine_facto
     _, model = load_model(dense_dir)
     g = torch.Generator().manual_seed(3)
     new = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in model.state_dict().items()}
-    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, quantization=sent),
+    sender = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, quantization=sent),
                              [EngineClient(eng.url)], torch.device("cpu"), "127.0.0.1")
     sender.connect()
     stats = sender.send(list(fp8_stream(new.items())) if sent == "fp8" else list(new.items()), version=1)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.config.schema import BroadcastWeightsConfig
+from pipeline.config.schema import WeightsConfig
 from pipeline.errors import StorageError
 from pipeline.models.hf_io import load_model, read_state_dict
 from pipeline.observability.metrics import read_metrics
@@ -142,12 +142,12 @@ def assert_holds(client, weights, version):
 
 SENDER = textwrap.dedent("""
     import sys, torch
-    from pipeline.config.schema import BroadcastWeightsConfig
+    from pipeline.config.schema import WeightsConfig
     from pipeline.rollout.client import EngineClient
     from pipeline.weights.broadcast import BroadcastSender
     url, path = sys.argv[1], sys.argv[2]
     weights = torch.load(path)
-    s = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, timeout_s=5), [EngineClient(url)],
+    s = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=5), [EngineClient(url)],
                         torch.device("cpu"), "127.0.0.1")
     s.connect()
     print("connected", flush=True)
@@ -178,7 +178,7 @@ def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_u
     a = engine_factory(dense_dir)
     b = engine_factory(dense_dir, env={"LOCKSTEP_FAULTS": "engine_update_delay_s=0.5"})
     urls = [a.url, b.url]
-    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, timeout_s=5),
+    sender = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=5),
                              [EngineClient(u) for u in urls], torch.device("cpu"), "127.0.0.1", urls=lambda: urls)
     sender.connect()
     v1 = perturbed(dense_dir, 1)
@@ -201,7 +201,7 @@ def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_u
 
 def test_weight_update_to_a_stopped_engine_times_out_with_a_clear_error(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
-    sender = BroadcastSender(BroadcastWeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],
+    sender = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],
                              torch.device("cpu"), "127.0.0.1")
     sender.connect()
     os.kill(eng.proc.pid, signal.SIGSTOP)  # alive but silent: the case a hang would come from

@@ -96,6 +96,7 @@ def test_dry_run_writes_the_exact_script(tmp_path):
     (["engine.num_engines=4"], "8 engines but engine.num_engines = 4"),
     (["--cluster", "local"], "slurm.trainer.gpus_per_node = 8 but profile 'local' has 0 GPUs per node"),
     (["slurm.mode=bogus"], "'bogus' is not one of"),
+    (["weights.type=tensor"], "weights.type=tensor hands CUDA IPC handles to engines on trainer rank 0's node"),
 ])
 def test_bad_requests_refused_before_submission(tmp_path, overrides, fragment):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", *overrides)
@@ -176,8 +177,9 @@ def test_paired_jobs_find_each_other(slurm, tmp_path):
 
 
 def test_colocated_job(slurm, tmp_path):
+    """One component runs trainer and engine on one node; weights go as shared-memory handles (weights.type=tensor)."""
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=6", "slurm.mode=colocated",
-                   "slurm.trainer.cpus_per_task=3", "--wait")
+                   "slurm.trainer.cpus_per_task=3", "weights.type=tensor", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(read_metrics(f"{tmp_path}/run")) == 6
 

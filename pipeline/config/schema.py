@@ -25,8 +25,9 @@ class ModelConfig:
     path: str | None = None
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json). Null: create a
     randomly initialised model from `init` inside the run directory."""
-    init: Literal["tiny-dense", "tiny-moe"] = "tiny-dense"
-    """Architecture preset used when `path` is null (about 0.1M parameters)."""
+    init: Literal["tiny-dense", "tiny-moe", "qwen3-0.5b", "qwen3-1.7b"] = "tiny-dense"
+    """Architecture preset used when `path` is null: tiny-dense / tiny-moe (about 0.1M parameters, for
+    CPUs), qwen3-0.5b / qwen3-1.7b (real sizes with Qwen's 151936-row vocabulary, for GPU benchmarks)."""
     init_seed: int = 0
     """Seed of the random initialisation when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -391,12 +392,17 @@ class AlgoConfig:
 
 
 @dataclass
-class BroadcastWeightsConfig:
-    type: Literal["broadcast"] = "broadcast"
-    """Trainer rank 0 broadcasts to every engine over a torch.distributed group (NCCL/RCCL on GPUs, gloo on CPU)."""
+class WeightsConfig:
+    type: Literal["broadcast", "tensor"] = "broadcast"
+    """How trainer rank 0 sends each version. broadcast: over a torch.distributed group with every engine
+    (NCCL/RCCL on GPUs, InfiniBand across nodes; gloo on CPU). tensor: colocated engines on the same
+    node take CUDA IPC handles (shared memory on CPU) of the exported buckets through
+    /update_weights_from_tensor and copy straight from the trainer's memory (Miles/slime's colocated
+    update): no group, no staging copy; the engine is paused while buckets land one by one."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend of the weight group: auto is nccl (RCCL on ROCm) when the trainer is on a GPU;
-    gloo stages tensors through host memory (needed when trainer and engine share one GPU)."""
+    """Collective backend of the broadcast group: auto is nccl (RCCL on ROCm) when the trainer is on a GPU;
+    gloo stages tensors through host memory (needed for a broadcast when trainer and engine share one GPU;
+    type=tensor is the faster way there)."""
     bucket_size_mb: float = 512.0
     """Tensors are sent in buckets of about this size; one engine update request per bucket."""
     timeout_s: float = 300.0
@@ -413,8 +419,6 @@ class BroadcastWeightsConfig:
     def __post_init__(self):
         _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
 
-
-WeightsConfig = BroadcastWeightsConfig
 
 
 @dataclass
@@ -541,7 +545,7 @@ class RunConfig:
     """The trainer."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Advantages and losses."""
-    weights: WeightsConfig = field(default_factory=BroadcastWeightsConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     """Weight sync from trainer to engines."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     """Bitwise train/inference agreement."""

@@ -64,14 +64,14 @@ def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
         return
     import torch
 
-    from pipeline.models.config import tiny_preset
+    from pipeline.models.config import model_preset
     from pipeline.models.hf_io import save_model
     from pipeline.models.qwen3 import Qwen3ForCausalLM
     from pipeline.models.tokenizer import build_tiny_tokenizer
 
     tok_dir = layout.model_init + ".tokenizer"
     tok = build_tiny_tokenizer(tok_dir)
-    args = tiny_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+    args = model_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
                        mtp_layers=cfg.model.mtp_num_layers)
     torch.manual_seed(cfg.model.init_seed)
     model = Qwen3ForCausalLM(args)

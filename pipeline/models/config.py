@@ -191,10 +191,28 @@ _HF_DERIVED = {
 }
 
 
-def tiny_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
-                mtp_layers: int = 0) -> ModelArgs:
-    """Small architectures for the demo and tests (about 0.1M parameters; train in seconds on a CPU),
-    with `mtp_layers` MTP draft layers."""
+# Sizes of real Qwen3-class models for `model.init` (randomly initialised; the vocabulary is padded to
+# Qwen's 151936 rows as real checkpoints are, so sampling and logprobs cost what they cost there).
+# qwen3-0.5b has Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 KV heads, head dim 64, tied embeddings).
+REAL_SIZES = {
+    "qwen3-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=4864),
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144),
+}
+QWEN_VOCAB = 151936
+PRESETS = ("tiny-dense", "tiny-moe", *REAL_SIZES)
+
+
+def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
+                 mtp_layers: int = 0) -> ModelArgs:
+    """The architecture behind `model.init`: small ones for the demo and tests (about 0.1M parameters;
+    train in seconds on a CPU) and real Qwen3 sizes for benchmarks on a GPU; `vocab_size` is the
+    tokenizer's, `mtp_layers` the MTP draft layers."""
+    special = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, mtp_num_hidden_layers=mtp_layers)
+    if name in REAL_SIZES:
+        return ModelArgs(vocab_size=max(vocab_size, QWEN_VOCAB), max_position_embeddings=4096, rope_theta=1e6,
+                         tie_word_embeddings=True, **REAL_SIZES[name], **special)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -205,13 +223,10 @@ def tiny_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pa
         intermediate_size=192,
         max_position_embeddings=512,
         rope_theta=10_000.0,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        mtp_num_hidden_layers=mtp_layers,
+        **special,
     )
     if name == "tiny-dense":
         return ModelArgs(**common)
     if name == "tiny-moe":
         return ModelArgs(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
-    raise UserError(f"unknown model preset {name!r}: use 'tiny-dense' or 'tiny-moe', or set model.path")
+    raise UserError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, or set model.path")

@@ -53,11 +53,26 @@ class ProgressBar:
             self.stream.flush()
 
 
+def step_split(records: list[dict], warmup: int = 1) -> dict:
+    """Where a step's time goes, averaged over the steps after `warmup` (all when there are no more):
+    seconds of rollout / train / weight sync, their shares of the step, and response tokens generated
+    per second of the whole step, of the rollout phase and trained per second of the train phase."""
+    steady = records[warmup:] or records
+    sec = {k: mean([r.get(f"perf/{k}_time_s") for r in steady]) for k in ("step", "rollout", "train", "weight_sync")}
+    tokens = mean([r.get("rollout/tokens") for r in steady])
+    out = {"steps": len(steady), **{f"{k}_s": v for k, v in sec.items()}, "response_tokens": tokens,
+           "tokens_per_s": tokens / sec["step"], "rollout_tokens_per_s": tokens / sec["rollout"],
+           "train_tokens_per_s": mean([r.get("train/tokens") for r in steady]) / sec["train"]}
+    out.update({f"{k}_frac": sec[k] / sec["step"] for k in ("rollout", "train", "weight_sync")})
+    return out
+
+
 def summary(run_dir: str) -> str:
     records = read_metrics(run_dir)
     if not records:
         return f"no steps recorded in {run_dir}"
     first, last = records[:3], records[-3:]
+    split = step_split(records)
     lines = [
         f"run_dir           {run_dir}",
         f"steps             {len(records)} (weights version {records[-1].get('weights/version')})",
@@ -66,10 +81,10 @@ def summary(run_dir: str) -> str:
         f"response length   {mean([r.get('rollout/response_len_mean') for r in last]):.2f} tokens (last 3)",
         f"logprob |diff|    mean {mean([r.get('train/rollout_logprob_abs_diff') for r in records]):.3g},"
         f" max {max((r.get('train/rollout_logprob_max_abs_diff') or 0) for r in records):.3g} (trainer vs engine)",
-        f"time per step     {mean([r.get('perf/step_time_s') for r in records]):.2f}s"
-        f" = rollout {mean([r.get('perf/rollout_time_s') for r in records]):.2f}s"
-        f" + train {mean([r.get('perf/train_time_s') for r in records]):.2f}s"
-        f" + weight sync {mean([r.get('perf/weight_sync_time_s') for r in records]):.3f}s",
+        f"time per step     {split['step_s']:.2f}s = rollout {split['rollout_s']:.2f}s + train {split['train_s']:.2f}s"
+        f" + weight sync {split['weight_sync_s']:.3f}s (steps after the first)",
+        f"throughput        {split['tokens_per_s']:.0f} response tokens/s over whole steps"
+        f" (rollout {split['rollout_tokens_per_s']:.0f}/s, train {split['train_tokens_per_s']:.0f}/s)",
         f"total time        {sum(r.get('perf/step_time_s') or 0 for r in records):.0f}s",
     ]
     for name in ("reward.png", "hf"):

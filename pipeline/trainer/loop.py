@@ -34,6 +34,7 @@ from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_mi
 from pipeline.trainer.fsdp import FSDPBackend, int4_scale_dtype
 from pipeline.trainer.targets import Scores, take, token_advantages
 from pipeline.weights.broadcast import BroadcastSender
+from pipeline.weights.tensor import make_sender
 from pipeline.models.qat import int4_values, w4a16_state
 from pipeline.weights.quant import fp8_stream
 
@@ -138,14 +139,14 @@ class Trainer:
         return int(record["step"])
 
     def connect_engines(self) -> None:
-        """Rank 0: the weight group with every engine, and a watcher that catches up a restarted engine."""
+        """Rank 0: the weight transport to every engine (a group, or colocated handles), and a watcher that catches up a restarted engine."""
         root, n, key = self.layout.root, self.cfg.engine.num_engines, os.environ.get("LOCKSTEP_API_KEY")
         urls = rdzv.engine_urls(root, n)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
-        self.sender = BroadcastSender(self.cfg.weights, clients, self.device, host,
-                                      publish_path=os.path.join(rdzv.rdzv_dir(root), "weights.json"),
-                                      urls=lambda: rdzv.current_engine_urls(root, n), api_key=key)
+        self.sender = make_sender(self.cfg.weights, clients, self.device, host,
+                                  publish_path=os.path.join(rdzv.rdzv_dir(root), "weights.json"),
+                                  urls=lambda: rdzv.current_engine_urls(root, n), api_key=key)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()

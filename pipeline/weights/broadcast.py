@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from pipeline.config.schema import BroadcastWeightsConfig
+from pipeline.config.schema import WeightsConfig
 from pipeline.launch.rendezvous import free_port, publish
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError
@@ -35,7 +35,7 @@ GROUP_PREFIX = "lockstep_weights"
 
 
 class BroadcastSender:
-    def __init__(self, cfg: BroadcastWeightsConfig, clients: list[EngineClient], device: torch.device,
+    def __init__(self, cfg: WeightsConfig, clients: list[EngineClient], device: torch.device,
                  host: str, publish_path: str | None = None, urls: Callable[[], list[str]] | None = None,
                  api_key: str | None = None):
         self.cfg, self.device, self.host = cfg, device, host
@@ -51,6 +51,13 @@ class BroadcastSender:
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weights")
 
     # ---- membership ------------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self.pg is not None
+
+    def disconnect(self) -> None:
+        self.pg = None
+
     @property
     def members(self) -> list[str]:
         return [c.url for c in self.clients]
@@ -92,7 +99,7 @@ class BroadcastSender:
         """Rebuild the group if the live engines are not the group's members. Returns True if rebuilt."""
         with self.lock:
             live = self.live_clients()
-            if [c.url for c in live] == self.members and self.pg is not None:
+            if [c.url for c in live] == self.members and self.connected:
                 return False
             self.connect(live)
             return True
@@ -135,7 +142,7 @@ class BroadcastSender:
 
     def _retry(self, cache, version: int, pause: bool, attempts: int) -> dict:
         for attempt in range(attempts):
-            self.pg = None
+            self.disconnect()
             try:
                 self.ensure_members()
                 stats = self._paused(lambda: self._send(cache, version), pause)
@@ -159,7 +166,7 @@ class BroadcastSender:
         with the live ones and send them the last version. Returns True if it did."""
         with self.lock:
             urls = self.urls_fn() if self.urls_fn is not None else self.members
-            if urls == self.members and self.pg is not None:
+            if urls == self.members and self.connected:
                 return False
             try:
                 self.connect(self.live_clients())
@@ -168,7 +175,8 @@ class BroadcastSender:
                     log.info("caught up %d engine(s) to version %s in %.2fs", len(self.clients), self.cache_version,
                              stats["seconds"])
             except (EngineError, RuntimeError) as e:
-                self.pg, self.clients = None, []  # try again on the next call
+                self.disconnect()  # try again on the next call
+                self.clients = []
                 log.warning("catching up engines failed (%s); will retry", e)
                 return False
             return True
@@ -204,7 +212,7 @@ class BroadcastSender:
         return stats
 
     def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        assert self.pg is not None, "connect() first"
+        assert self.connected, "connect() first"
         t0 = time.monotonic()
         nbytes = nbuckets = 0
         for bucket, last in buckets_of(named_tensors, int(self.cfg.bucket_size_mb * (1 << 20))):
@@ -229,4 +237,4 @@ class BroadcastSender:
         if getattr(self, "_stop", None) is not None:
             self._stop.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.pg = None
+        self.disconnect()

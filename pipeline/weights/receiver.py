@@ -131,7 +131,9 @@ class WeightReceiver:
 
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
         """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
-        per TP rank (this engine is one rank: the first). Applied as a whole, as the distributed path."""
+        per TP rank (this engine is one rank: the first). Applied as a whole, as the distributed path.
+        Tensors already on the engine's device are read in place (no staging copy): the sender keeps
+        their memory until this answer, and the answer waits for the copies to finish."""
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return False, "serialized_named_tensors is empty"
@@ -140,10 +142,12 @@ class WeightReceiver:
             unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in self.engine.params]
             if unknown:
                 return False, f"unknown parameter(s) {unknown[:3]}: no weights changed"
-            staged = self.dequantized({n: t.to(self.engine.device, copy=True) for n, t in named})
+            staged = self.dequantized({n: t.to(self.engine.device) for n, t in named})
         except Exception as e:
             return False, f"update_weights_from_tensor failed, kept version {self.engine.weight_version}: {e}"
         self.engine.load_weights(staged, str(body.get("weight_version", self.engine.weight_version)))
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)  # done reading the sender's memory
         return True, f"{len(staged)} tensors updated"
 
     def update_from_disk(self, body: dict) -> tuple[bool, str]:

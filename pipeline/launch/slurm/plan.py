@@ -38,6 +38,10 @@ def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
     if s.mode != "colocated" and engines != cfg.engine.num_engines:
         raise UserError(f"slurm.rollout: nodes x tasks_per_node = {engines} engines but engine.num_engines ="
                         f" {cfg.engine.num_engines}: make them equal")
+    if cfg.weights.type == "tensor" and (s.mode != "colocated" or s.trainer.nodes > 1):
+        raise UserError(f"weights.type=tensor hands CUDA IPC handles to engines on trainer rank 0's node: use"
+                        f" slurm.mode=colocated on one node (got mode {s.mode!r}, {s.trainer.nodes} trainer node(s)),"
+                        " or weights.type=broadcast")
     tp = getattr(cfg.engine, "tp_size", 1)
     if s.mode != "colocated" and s.rollout.gpus_per_node and s.rollout.tasks_per_node * tp > s.rollout.gpus_per_node:
         raise UserError(f"slurm.rollout: {s.rollout.tasks_per_node} engines per node x engine.tp_size {tp} GPUs"

@@ -3,19 +3,24 @@
 Colocated path (trainer and engine on one GPU): the FSDP2 trainer's `full_state` (bf16 gather of each
 parameter, what Trainer.sync_weights sends) staged on the device, then the engine's `load_weights`
 applies the whole version at once under its model lock (that is the engine's pause), as the
-receiver does with the last bucket. Distributed (NCCL broadcast
-between GPUs) needs two GPUs: issue 12's run. The host copy kept for catching up restarted engines
-(weights.keep_host_copy) is timed too, as the extra cost it adds to a step.
+receiver does with the last bucket. Then the same update into a real engine server in another
+process, through the two transports a run can use there: weights.type=tensor (CUDA IPC handles of the
+exported buckets, /update_weights_from_tensor) and a gloo broadcast through host memory (what one GPU
+shared by trainer and engine needed before). Distributed (NCCL broadcast between GPUs) needs two
+GPUs: issue 12's run. The host copy kept for catching up restarted engines (weights.keep_host_copy) is
+timed too, as the extra cost it adds to a step.
 
     python bench/weight_sync_bench.py            # GPU, 0.5B and 1.7B-class
-    python bench/weight_sync_bench.py --tiny     # CPU-sized variant
+    python bench/weight_sync_bench.py --tiny     # CPU-sized variant (shared memory instead of CUDA IPC)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +32,13 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # noqa: E402
 from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
+from pipeline.config.schema import WeightsConfig  # noqa: E402
+from pipeline.launch.rendezvous import wait_for  # noqa: E402
+from pipeline.models.hf_io import save_model  # noqa: E402
+from pipeline.models.tokenizer import build_tiny_tokenizer  # noqa: E402
+from pipeline.rollout.client import EngineClient  # noqa: E402
 from pipeline.rollout.engine.core import Engine  # noqa: E402
+from pipeline.weights.tensor import make_sender  # noqa: E402
 from pipeline.trainer.fsdp import full_state, shard  # noqa: E402
 
 
@@ -67,6 +78,48 @@ def measure(args, device, dtype, reps=5) -> dict:
     return out
 
 
+def measure_process(args, device, dtype, reps=5) -> dict:
+    """Best of `reps` full updates from this process's FSDP2 trainer into an engine server process on the
+    same device, per transport (the sender's own stats: export, send, engine apply, answers)."""
+    torch.manual_seed(0)
+    trainer = shard(Qwen3ForCausalLM(args).to(device), init_device_mesh(device.type, (1,)), dtype)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = os.path.join(tmp, "tok")
+        build_tiny_tokenizer(tok)
+        save_model(dict(full_state(trainer, args, dtype)), args, os.path.join(tmp, "model"), tokenizer_dir=tok)
+        ready = os.path.join(tmp, "engine.json")
+        log = open(os.path.join(tmp, "engine.log"), "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.rollout.engine.server", "--model-path",
+                                 os.path.join(tmp, "model"), "--device", device.type, "--dtype", str(dtype).split(".")[1],
+                                 "--context-length", "64", "--max-running-requests", "1", "--disable-cuda-graph",
+                                 "--ready-file", ready], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            client = EngineClient(wait_for(ready, 300, lambda: proc.poll() is None or sys.exit(
+                open(os.path.join(tmp, "engine.log")).read()[-3000:]))["url"], timeout_s=120)
+            for transport, backend in (("tensor", "auto"), ("broadcast", "gloo")):
+                cfg = WeightsConfig(type=transport, backend=backend, keep_host_copy=False, timeout_s=120)
+                sender = make_sender(cfg, [client], device, "127.0.0.1")
+                sender.connect()
+                best = float("inf")
+                for rep in range(reps):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    stats = sender.send(full_state(trainer, args, dtype), version=rep + 1)
+                    best = min(best, time.perf_counter() - t0)
+                sender.close()
+                norm = client.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": -1})
+                want = dict(full_state(trainer, args, dtype))["model.norm.weight"].float().cpu().tolist()
+                out[transport] = {"update_s": best, "bytes": stats["bytes"], "buckets": stats["buckets"],
+                                  "engine_equals_trainer": norm == want and client.weight_version() == str(reps)}
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            log.close()
+    del trainer
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
@@ -83,6 +136,7 @@ def main(argv=None):
           " reads 2 bytes per byte it writes: its ceiling is 2/3 of that.")
     for name, args in configs:
         m = measure(args, device, dtype)
+        m["process"] = measure_process(args, device, dtype)
         flat, old = m["flat"], m["per_param"]
         rate = m["bytes"] / flat["update_s"]
         rows.append({"config": name, **m, "gbs": rate / 1e9, "copy_gbs": bw / 1e9, "frac_of_copy": rate / bw,
@@ -94,6 +148,14 @@ def main(argv=None):
               f" | per parameter {old['update_s'] * 1e3:6.2f} ms (paused {old['pause_s'] * 1e3:.2f} ms)"
               f" | {old['update_s'] / flat['update_s']:.1f}x | engine == trainer: {m['engine_equals_trainer']}"
               f" | host copy for restarts +{m['host_copy_s'] * 1e3:.0f} ms", flush=True)
+        ipc, gloo = m["process"]["tensor"], m["process"]["broadcast"]
+        rows[-1].update({"ipc_frac_of_copy": m["bytes"] / ipc["update_s"] / bw,
+                         "ipc_speedup_vs_gloo": gloo["update_s"] / ipc["update_s"]})
+        print(f"{'':>6}  engine process: {'CUDA IPC' if device.type == 'cuda' else 'shared memory'} handles"
+              f" {ipc['update_s'] * 1e3:6.2f} ms = {m['bytes'] / ipc['update_s'] / 1e9:6.1f} GB/s"
+              f" ({100 * m['bytes'] / ipc['update_s'] / bw:4.1f}% of copy) | gloo broadcast {gloo['update_s'] * 1e3:7.2f} ms"
+              f" | {gloo['update_s'] / ipc['update_s']:.1f}x | engine == trainer: {ipc['engine_equals_trainer']}"
+              f" / {gloo['engine_equals_trainer']}", flush=True)
     dist.destroy_process_group()
     payload = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rows": rows,
                "torch": torch.__version__}

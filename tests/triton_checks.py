@@ -198,7 +198,7 @@ def check_sampling(small):
     from pipeline.rollout.engine import sampling
 
     out = {}
-    shapes = [(5, 3000)] if small else [(1, 151936), (64, 151936), (256, 151936)]
+    shapes = [(5, 3000), (1, 9000)] if small else [(1, 151936), (64, 151936), (256, 151936)]
     for dtype in (torch.float32, torch.bfloat16):
         for b, v in shapes:
             logits = randn(b, v, dtype=dtype, seed=4) * 3

@@ -1,9 +1,10 @@
 """Gumbel-max sampling in one pass over the logits, in Triton (pipeline/rollout/engine/sampling.py's
 noise, bit for bit).
 
-`_gumbel_argmax_kernel`: one program per row walks the vocab in blocks: logits / T (IEEE division, as
-torch), the counter-based noise of (seed, position, vocab id) (splitmix64 on int64, as `_mix`),
--log(-log(u)) in fp64, and a running first-index argmax. The torch path materialises a dozen [B, V]
+`_gumbel_argmax_kernel`: a (row, vocab chunk) grid; each program walks its chunk in blocks: logits / T
+(IEEE division, as torch), the counter-based noise of (seed, position, vocab id) (splitmix64 on int64,
+as `_mix`), -log(-log(u)) in fp64, and a running first-index argmax; the first best chunk of a row
+then gives its token. Chunks make a batch-1 step use the whole GPU instead of one SM. The torch path materialises a dozen [B, V]
 int64/fp64 temporaries for the same result (at batch 256 and a 152k vocab, ~0.6 GB of memory traffic
 each). Rows that ask for top-p/top-k take the torch path (it sorts).
 
@@ -28,9 +29,12 @@ def _mix(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, out_ptr, V, greedy_eps,
-                          BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, V, chunk, n_chunks,
+                          greedy_eps, BLOCK: tl.constexpr):
+    """Program (row, c) takes vocab entries [c * chunk, (c + 1) * chunk) of its row: the largest noisy
+    logit there and its first index."""
     row = tl.program_id(0)
+    c = tl.program_id(1)
     temp = tl.load(temp_ptr + row).to(tl.float32)
     greedy = temp < greedy_eps
     t = tl.where(greedy, 1.0, temp)
@@ -39,10 +43,12 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, out_p
     key = _mix(seed * -7046029254386353131 + pos)
     best = tl.full((), float("-inf"), tl.float64)
     best_idx = tl.full((), 0, tl.int64)
-    for start in range(0, V, BLOCK):
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, V)
+    for start in range(lo, hi, BLOCK):
         v = start + tl.arange(0, BLOCK)
-        mask = v < V
-        x = tl.load(logits_ptr + row * stride + v, mask=mask, other=0.0).to(tl.float32)
+        mask = v < hi
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride + v, mask=mask, other=0.0).to(tl.float32)
         scaled = tl.math.div_rn(x, tl.zeros_like(x) + t).to(tl.float64)
         h = _mix(key + v.to(tl.int64) * -7046029254386353131)
         u = (((h >> 11) & ((1 << 53) - 1)).to(tl.float64) + 0.5) / 9007199254740992.0
@@ -53,16 +59,39 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, out_p
         better = m > best
         best_idx = tl.where(better, i, best_idx)
         best = tl.where(better, m, best)
-    tl.store(out_ptr + row, best_idx)
+    tl.store(best_ptr + row * n_chunks + c, best)
+    tl.store(idx_ptr + row * n_chunks + c, best_idx)
+
+
+BLOCK = 2048
+
+
+def split_of(b: int, v: int, programs: int) -> tuple[int, int]:
+    """(chunk, n_chunks): each row's vocab cut into whole blocks so that the grid has about `programs`
+    programs (a batch-1 decode step still fills the GPU; a batch of 256 keeps rows whole-ish)."""
+    blocks = triton.cdiv(v, BLOCK)
+    n = max(1, min(blocks, triton.cdiv(programs, max(b, 1))))
+    chunk = triton.cdiv(blocks, n) * BLOCK
+    return chunk, triton.cdiv(v, chunk)
 
 
 def gumbel_argmax(logits_BV: torch.Tensor, temperature_B: torch.Tensor, seeds_B: torch.Tensor,
                   positions_B: torch.Tensor, greedy_eps: float) -> torch.Tensor:
+    """Per row: argmax of logits / T + Gumbel noise (the first index among equals, as torch.argmax),
+    in two steps: each program the best of its vocab chunk, then the first best chunk per row."""
     b, v = logits_BV.shape
     if logits_BV.stride(-1) != 1:
         logits_BV = logits_BV.contiguous()
-    out = torch.empty(b, dtype=torch.int64, device=logits_BV.device)
-    if b:
-        _gumbel_argmax_kernel[(b,)](logits_BV, logits_BV.stride(0), temperature_B.contiguous(), seeds_B.contiguous(),
-                                    positions_B.contiguous(), out, v, greedy_eps, BLOCK=2048, num_warps=8)
-    return out
+    if not b:
+        return torch.empty(0, dtype=torch.int64, device=logits_BV.device)
+    programs = 2 * torch.cuda.get_device_properties(logits_BV.device).multi_processor_count \
+        if logits_BV.is_cuda else 4
+    chunk, n = split_of(b, v, programs)
+    best = torch.empty(b, n, dtype=torch.float64, device=logits_BV.device)
+    idx = torch.empty(b, n, dtype=torch.int64, device=logits_BV.device)
+    _gumbel_argmax_kernel[(b, n)](logits_BV, logits_BV.stride(0), temperature_B.contiguous(), seeds_B.contiguous(),
+                                  positions_B.contiguous(), best, idx, v, chunk, n, greedy_eps, BLOCK=BLOCK,
+                                  num_warps=8)
+    if n == 1:
+        return idx[:, 0]
+    return idx.gather(1, best.argmax(1, keepdim=True))[:, 0]

@@ -83,14 +83,19 @@ class Request:
         return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
 
 
-def sampling_rows(reqs: list[Request], device, per_request: int = 1) -> dict[str, torch.Tensor]:
+def sampling_rows(reqs: list[Request], device, per_request: int = 1) -> dict:
     """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
-    starting at its next one (rows request-major: a request's positions are adjacent)."""
-    rep = lambda vals, dtype=None: torch.tensor(vals, dtype=dtype, device=device).repeat_interleave(per_request)  # noqa: E731
-    step = torch.arange(per_request, device=device).repeat(len(reqs))
-    return {"temperature_B": rep([r.params.temperature for r in reqs]), "top_p_B": rep([r.params.top_p for r in reqs]),
-            "top_k_B": rep([r.params.top_k for r in reqs]), "seeds_B": rep([r.seed() for r in reqs], torch.int64),
-            "positions_B": rep([len(r.output_ids) for r in reqs], torch.int64) + step}
+    starting at its next one (rows request-major: a request's positions are adjacent). Built on the host
+    and moved in two copies; `truncated` (any row with top-p/top-k) is known without reading the device."""
+    floats = torch.tensor([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32)
+    ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs], [len(r.output_ids) for r in reqs]],
+                        dtype=torch.int64)
+    if per_request > 1:
+        floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
+        ints[2] += torch.arange(per_request).repeat(len(reqs))
+    floats, ints = floats.to(device), ints.to(device)
+    return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
+            "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}
 
 
 class Engine:

@@ -67,10 +67,13 @@ def sample(
     top_k_B: torch.Tensor,
     seeds_B: torch.Tensor,
     positions_B: torch.Tensor,
+    truncated: bool | None = None,
 ) -> torch.Tensor:
-    """Next token per row. Rows with temperature ~0 take the argmax."""
+    """Next token per row. Rows with temperature ~0 take the argmax. truncated: whether any row uses
+    top-p/top-k, when the caller knows it (None: read from the device, a synchronisation)."""
     truncated_B = (top_p_B < 1.0) | (top_k_B > 0)
-    truncated = bool(truncated_B.any())
+    if truncated is None:
+        truncated = bool(truncated_B.any())
     if not truncated and _FUSED and use_triton(logits_BV):  # one fused pass on GPUs, the same tokens
         from lockstep_kernels.gpu.sampling import gumbel_argmax
 

@@ -93,7 +93,7 @@ def main(argv=None):
     p.add_argument("--new", type=int)
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--fused-sampling", action="store_true",
-                   help="also the engine with the fused Triton sampler on (LOCKSTEP_FUSED_SAMPLING), side by side")
+                   help="also the engine with the fused Triton sampler switched the other way (LOCKSTEP_FUSED_SAMPLING), side by side")
     p.add_argument("--fp8", action="store_true", help="also the engine with FP8 linear layers (engine.quantization=fp8)")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")

@@ -111,6 +111,7 @@ def measure_process(args, device, dtype, reps=5) -> dict:
                 norm = client.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": -1})
                 want = dict(full_state(trainer, args, dtype))["model.norm.weight"].float().cpu().tolist()
                 out[transport] = {"update_s": best, "bytes": stats["bytes"], "buckets": stats["buckets"],
+                                  "engine_messages": stats.get("engine_messages"),
                                   "engine_equals_trainer": norm == want and client.weight_version() == str(reps)}
         finally:
             proc.terminate()
@@ -155,7 +156,7 @@ def main(argv=None):
               f" {ipc['update_s'] * 1e3:6.2f} ms = {m['bytes'] / ipc['update_s'] / 1e9:6.1f} GB/s"
               f" ({100 * m['bytes'] / ipc['update_s'] / bw:4.1f}% of copy) | gloo broadcast {gloo['update_s'] * 1e3:7.2f} ms"
               f" | {gloo['update_s'] / ipc['update_s']:.1f}x | engine == trainer: {ipc['engine_equals_trainer']}"
-              f" / {gloo['engine_equals_trainer']}", flush=True)
+              f" / {gloo['engine_equals_trainer']} | engine: {'; '.join(ipc['engine_messages'] or [])}", flush=True)
     dist.destroy_process_group()
     payload = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "rows": rows,
                "torch": torch.__version__}

@@ -8,8 +8,9 @@ then gives its token. Chunks make a batch-1 step use the whole GPU instead of on
 int64/fp64 temporaries for the same result (at batch 256 and a 152k vocab, ~0.6 GB of memory traffic
 each). Rows that ask for top-p/top-k take the torch path (it sorts).
 
-Opt-in (LOCKSTEP_FUSED_SAMPLING=1) until a GPU run has checked it: `python tests/triton_checks.py
-sampling` (part of bench/gpu_suite.sh checks) is that check; it passes under the CPU interpreter.
+On by default on GPUs (LOCKSTEP_FUSED_SAMPLING=0: off). `python tests/triton_checks.py sampling` (part of
+bench/gpu_suite.sh checks) compares it token for token with the torch path: equal on the H200 at batch
+1/64/256, vocab 151936, fp32 and bf16, and under the CPU interpreter with a split row.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ class BroadcastSender:
         self.staging = device
         self.lock = threading.RLock()
         self.cache: list[tuple[str, torch.Tensor]] | None = None
+        self.host_buffers: dict[str, torch.Tensor] = {}
         self.cache_version: int | None = None
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weights")
 
@@ -116,10 +117,11 @@ class BroadcastSender:
             keep = self.cfg.keep_host_copy
             cache: list[tuple[str, torch.Tensor]] = []
             source = iter(named_tensors)
+            self.cache = None  # its pinned buffers are rewritten with this version
 
             def hold(n, t):
                 if keep:
-                    cache.append((n, t.detach().to("cpu", copy=True)))
+                    cache.append((n, self._host_copy(n, t)))
 
             def tapped():
                 for n, t in source:
@@ -132,13 +134,30 @@ class BroadcastSender:
             except (EngineError, RuntimeError) as e:
                 for n, t in source:  # the rest of the collective gather
                     hold(n, t)
+                self._settle()
                 if not keep or attempts <= 1:
                     raise EngineError(f"weight update to version {version} failed: {e}") from e
                 log.warning("weight update to version %d failed (%s); retrying with the live engines", version, e)
                 stats = self._retry(cache, version, pause, attempts - 1)
             if keep:
+                self._settle()
                 self.cache, self.cache_version = cache, version
             return stats
+
+    def _host_copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied to host memory: for device tensors into a pinned buffer kept per name between
+        versions, without waiting (a pageable copy of a 0.5B model took 0.59 s on the H200); `_settle`
+        waits for the copies."""
+        if t.device.type != "cuda":
+            return t.detach().to("cpu", copy=True)
+        buf = self.host_buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.host_buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return buf.copy_(t.detach(), non_blocking=True)
+
+    def _settle(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _retry(self, cache, version: int, pause: bool, attempts: int) -> dict:
         for attempt in range(attempts):

@@ -137,8 +137,10 @@ class WeightReceiver:
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return False, "serialized_named_tensors is empty"
+        t0 = time.monotonic()
         try:
             named = load_named_tensors(payloads[0])
+            t1 = time.monotonic()
             unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in self.engine.params]
             if unknown:
                 return False, f"unknown parameter(s) {unknown[:3]}: no weights changed"
@@ -148,7 +150,9 @@ class WeightReceiver:
         self.engine.load_weights(staged, str(body.get("weight_version", self.engine.weight_version)))
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)  # done reading the sender's memory
-        return True, f"{len(staged)} tensors updated"
+        self.last_update_s = time.monotonic() - t0
+        return True, (f"{len(staged)} tensors updated in {1e3 * self.last_update_s:.1f} ms"
+                      f" (handles opened in {1e3 * (t1 - t0):.1f} ms)")
 
     def update_from_disk(self, body: dict) -> tuple[bool, str]:
         from pipeline.models.hf_io import read_state_dict

@@ -60,6 +60,7 @@ class TensorSender(BroadcastSender):
         assert self.connected, "connect() first"
         t0 = time.monotonic()
         nbytes = nbuckets = 0
+        messages = []
         for bucket, last in buckets_of(named_tensors, int(self.cfg.bucket_size_mb * (1 << 20))):
             bucket = [(n, t.to(self.device)) for n, t in bucket]  # host-cached tensors of a resend
             if self.device.type == "cuda":
@@ -69,13 +70,13 @@ class TensorSender(BroadcastSender):
                        for c in self.clients]
             for f in futures:
                 try:
-                    f.result(timeout=self.cfg.timeout_s)
+                    messages.append(f.result(timeout=self.cfg.timeout_s).get("message"))
                 except FutureTimeout as e:
                     raise EngineError(f"weight update request got no answer within {self.cfg.timeout_s:.0f}s "
                                       "(weights.timeout_s)") from e
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             nbuckets += 1
-        return {"bytes": nbytes, "buckets": nbuckets, "seconds": time.monotonic() - t0}
+        return {"bytes": nbytes, "buckets": nbuckets, "seconds": time.monotonic() - t0, "engine_messages": messages}
 
 
 def make_sender(cfg, *args, **kw) -> BroadcastSender:

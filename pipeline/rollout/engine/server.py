@@ -200,6 +200,9 @@ class EngineServer:
 def make_handler(server: EngineServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # TCP_NODELAY: the header and body writes of an answer would otherwise wait on the client's
+        # delayed ACK (Nagle): ~40 ms added to every request on a kept-alive connection.
+        disable_nagle_algorithm = True
 
         def log_message(self, fmt, *args):  # route access logs through logging at debug level
             log.debug("%s " + fmt, self.address_string(), *args)

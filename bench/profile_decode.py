@@ -62,6 +62,9 @@ def main(argv=None):
     print(keys.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     if device.type == "cuda":
         print(keys.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+        busy = sum(getattr(k, "self_device_time_total", 0) or 0 for k in keys) / a.steps / 1e3
+        print(f"device busy per step: {busy:.2f} ms of {per_step * 1e3:.2f} ms wall ({100 * busy / (per_step * 1e3):.0f}%):"
+              " the rest is the host (launches, sampling bookkeeping, the token read-back) with the GPU idle")
 
 
 if __name__ == "__main__":

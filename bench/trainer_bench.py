@@ -2,6 +2,7 @@
 packed sequences, per-token logprob loss, AdamW — against the measured bf16 matmul rate of the device.
 
     python bench/trainer_bench.py                 # GPU: 0.5B and 1.7B-class configs
+    python bench/trainer_bench.py --compile       # also each with train.compile (torch.compile per layer)
     python bench/trainer_bench.py --tiny          # CPU-sized variant
 """
 
@@ -51,9 +52,10 @@ def train_flops(args, lengths: list[int]) -> float:
     return 3 * (linear + attention)
 
 
-def step_time(args, device, lengths: list[int], steps: int, varlen: bool) -> float:
-    """Median step time with the training attention through flash's varlen kernel (`varlen`) or the
-    padded grid (SDPA with a mask, the path before it and the one CPUs take)."""
+def step_time(args, device, lengths: list[int], steps: int, varlen: bool, compile: bool = False) -> tuple[float, float]:
+    """(median step time, first step's loss) with the training attention through flash's varlen kernel
+    (`varlen`) or the padded grid (SDPA with a mask, the path before it and the one CPUs take), and the
+    decoder layers compiled or not."""
     import lockstep_kernels.ops as ops
 
     ops.VARLEN = varlen
@@ -61,7 +63,7 @@ def step_time(args, device, lengths: list[int], steps: int, varlen: bool) -> flo
     model = Qwen3ForCausalLM(args).to(device)
     mesh = init_device_mesh(device.type, (1,))
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = shard(model, mesh, compute)
+    model = shard(model, mesh, compute, compile=compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" or None)  # as FSDPBackend
     ctx = PackedCausal.from_lengths(lengths, device=device)
     ids, score, targets, adv = packed_batch(args, device, lengths)
@@ -91,27 +93,31 @@ def mixed_lengths(total: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     return out
 
 
-def median_step_time(logits_fn, targets, adv, model, opt, device, steps: int) -> float:
-    """Median seconds of a step (forward, policy-gradient loss, backward, clip, AdamW) after 2 warm-ups."""
-    times = []
+def median_step_time(logits_fn, targets, adv, model, opt, device, steps: int) -> tuple[float, float]:
+    """(median seconds of a step (forward, policy-gradient loss, backward, clip, AdamW) after 2 warm-ups,
+    the first step's loss)."""
+    times, losses = [], []
     for i in range(steps + 2):
         sync(device)
         t0 = time.perf_counter()
         loss = -(token_logprobs(logits_fn(), targets, 1.0) * adv).mean()
         loss.backward()
+        losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], float(losses[0])
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also with the decoder layers compiled (train.compile)")
+    p.add_argument("--configs", nargs="*", help="only these rows, by index (0-3 on the GPU)")
     a = p.parse_args(argv)
     device = single_process_group(a.tiny, 29555)
     configs = ([("tiny-dense", model_preset("tiny-dense", 64, None, 0, None), "8 x 64", [64] * 8)] if a.tiny else
@@ -119,18 +125,30 @@ def main(argv=None):
                 ("0.5B", qwen3_0p5b(), "mixed 128-2048", mixed_lengths(16384, 128, 2048)),
                 ("1.7B", qwen3_1p7b(), "mixed 128-2048", mixed_lengths(16384, 128, 2048))])
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 512)
+    if a.configs:
+        configs = [configs[int(i)] for i in a.configs]
+    variants = [(False, False)] + ([(True, False)] if device.type == "cuda" else [])  # (varlen, compiled)
+    if a.compile:
+        variants.append((device.type == "cuda", True))
     rows = []
     for name, args, packing, lengths in configs:
         tokens = sum(lengths)
-        for varlen in ((False, True) if device.type == "cuda" else (False,)):
-            t = step_time(args, device, lengths, a.steps, varlen)
+        eager_loss = None
+        for varlen, compiled in variants:
+            t, loss = step_time(args, device, lengths, a.steps, varlen, compiled)
+            if not compiled and varlen == variants[-1][0]:
+                eager_loss = loss
             achieved = train_flops(args, lengths) / t
             rows.append({"config": name, "packing": packing, "sequences": len(lengths),
-                         "attention": "varlen" if varlen else "grid", "tokens_per_step": tokens, "step_s": t,
-                         "tokens_per_s": tokens / t, "tflops": achieved / 1e12, "mfu_vs_matmul": achieved / peak})
-            print(f"{name:>10} {packing:>15} ({len(lengths)} seqs), attention {rows[-1]['attention']:6s}: "
+                         "attention": "varlen" if varlen else "grid", "compiled": compiled, "tokens_per_step": tokens,
+                         "step_s": t, "tokens_per_s": tokens / t, "tflops": achieved / 1e12,
+                         "mfu_vs_matmul": achieved / peak, "first_loss": loss,
+                         "loss_rel_diff_vs_eager": abs(loss - eager_loss) / abs(eager_loss) if compiled else None})
+            print(f"{name:>10} {packing:>15} ({len(lengths)} seqs), attention {rows[-1]['attention']:6s}"
+                  f"{', compiled' if compiled else ''}: "
                   f"{tokens} tokens/step, {t * 1e3:8.1f} ms/step, {tokens / t:10.0f} tok/s, {achieved / 1e12:7.1f} "
-                  f"TFLOP/s = {100 * achieved / peak:5.1f}% of the measured matmul rate ({peak / 1e12:.0f} TFLOP/s)",
+                  f"TFLOP/s = {100 * achieved / peak:5.1f}% of the measured matmul rate ({peak / 1e12:.0f} TFLOP/s)"
+                  + (f"; first loss vs eager: rel diff {rows[-1]['loss_rel_diff_vs_eager']:.1e}" if compiled else ""),
                   flush=True)
     dist.destroy_process_group()
     payload = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",

@@ -70,6 +70,8 @@ def test_miles_names_exist():
     (["max_tokens_per_gpu=16"], "max_tokens_per_gpu (16) <"),
     (["device=cpu"], "ambiguous"),
     (["rollout_top_p=1.5"], "rollout_top_p must be in (0, 1]"),
+    (["train.compile=true", "determinism.true_on_policy=true"], "train.compile and determinism.true_on_policy exclude"),
+    (["train.compile=true", "train.backend=megatron"], "set train.backend=fsdp"),
 ])
 def test_bad_config_messages(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -294,6 +294,11 @@ class TrainConfig:
     """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
     recompute_activations: bool = False
     """Activation checkpointing of every decoder layer (Miles: --recompute-granularity full)."""
+    compile: bool = False
+    """torch.compile each decoder layer's forward (FSDP2 backend, dense models, default mode): inductor
+    fuses the norms, RoPE, SwiGLU and residual adds, forward and backward; attention stays eager. The
+    first steps compile (and recompile once for new sequence lengths). Not with
+    determinism.true_on_policy: fused kernels round differently from the engine's."""
     dist_timeout_s: float = 600.0
     """Timeout of trainer collectives before a hung peer is reported."""
     max_consecutive_nonfinite: int = 3
@@ -585,6 +590,11 @@ class RunConfig:
             if self.engine.type == "sglang" and self.engine.quantization != "fp8":
                 raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
                                   " engines too (engine.quantization=fp8)")
+        if t.compile and self.determinism.true_on_policy:
+            raise ConfigError("train.compile and determinism.true_on_policy exclude each other: compiled (fused)"
+                              " kernels round differently from the engine's batch-invariant ones")
+        if t.compile and t.backend != "fsdp":
+            raise ConfigError("train.compile compiles the FSDP2 backend's decoder layers: set train.backend=fsdp")
         if self.engine.quantization == "fp8" and self.determinism.true_on_policy:
             raise ConfigError("engine.quantization=fp8 and determinism.true_on_policy exclude each other: an FP8"
                               " engine computes other numbers than the trainer by design (use TIS instead)")

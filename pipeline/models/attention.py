@@ -66,6 +66,7 @@ class PackedCausal:
         grid[self.grid_index] = x_NXD
         return grid
 
+    @torch.compiler.disable  # a compiled decoder layer (train.compile) calls attention as it is
     def attend(self, layer_idx, q_NHD, k_NKD, v_NKD):
         if q_NHD.is_cuda:
             if self.cu_seqlens_i32 is None:

@@ -193,8 +193,16 @@ def _param_dtype(model) -> torch.dtype | None:
         return None  # unknown layout: full_state takes the per-parameter path
 
 
-def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: bool = False) -> Qwen3ForCausalLM:
+def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: bool = False,
+          compile: bool = False) -> Qwen3ForCausalLM:
+    """FSDP2 per decoder layer and for the whole model (bf16 compute, fp32 gradient reduction).
+    recompute: activation checkpointing per layer. compile: each layer's forward through torch.compile
+    (inductor fuses norms, RoPE, SwiGLU and the residual adds, forward and backward; attention stays
+    the eager varlen / grid call); FSDP's gathers stay outside the compiled code."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if compile:
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
     if recompute:
         from torch.distributed._composable import checkpoint
 
@@ -231,7 +239,12 @@ class FSDPBackend:
                 enable_int4_qat(model, cfg.train.int4_group_size, int4_scale_dtype(cfg))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        self.model = shard(model, self.mesh, self.compute_dtype, recompute=cfg.train.recompute_activations)
+        if cfg.train.compile and self.args.is_moe:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError("train.compile is for dense models: MoE layers keep Python routing state (R3)")
+        self.model = shard(model, self.mesh, self.compute_dtype, recompute=cfg.train.recompute_activations,
+                           compile=cfg.train.compile)
         t = cfg.train
         # fused=True on GPUs: one kernel over all shards instead of for-each launches per op (CPU runs keep
         # the default implementation, whose numbers the CPU tests were written against).

@@ -42,8 +42,10 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_
     seed = tl.load(seed_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     key = _mix(seed * -7046029254386353131 + pos)
-    best = tl.full((), float("-inf"), tl.float64)
-    best_idx = tl.full((), 0, tl.int64)
+    # Each lane keeps its own running best (strictly greater: a lane sees its indices in increasing
+    # order, so it keeps the first); one reduction at the end instead of two per block.
+    lane_best = tl.full((BLOCK,), float("-inf"), tl.float64)
+    lane_idx = tl.zeros((BLOCK,), tl.int64)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, V)
     for start in range(lo, hi, BLOCK):
@@ -54,12 +56,12 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_
         h = _mix(key + v.to(tl.int64) * -7046029254386353131)
         u = (((h >> 11) & ((1 << 53) - 1)).to(tl.float64) + 0.5) / 9007199254740992.0
         noisy = tl.where(greedy, scaled, scaled + -tl.log(-tl.log(u)))
-        noisy = tl.where(mask, noisy, float("-inf"))
-        m = tl.max(noisy, axis=0)
-        i = tl.argmax(noisy, axis=0, tie_break_left=True).to(tl.int64) + start
-        better = m > best
-        best_idx = tl.where(better, i, best_idx)
-        best = tl.where(better, m, best)
+        better = mask & (noisy > lane_best)
+        lane_idx = tl.where(better, v.to(tl.int64), lane_idx)
+        lane_best = tl.where(better, noisy, lane_best)
+    best = tl.max(lane_best, axis=0)
+    # the first index among the lanes that reached the best (V: none, an empty chunk)
+    best_idx = tl.min(tl.where(lane_best == best, lane_idx, V), axis=0)
     tl.store(best_ptr + row * n_chunks + c, best)
     tl.store(idx_ptr + row * n_chunks + c, best_idx)
 

@@ -123,6 +123,43 @@ def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
 
 
 
+@pytest.mark.parametrize("graph_bs", [0, 4])
+def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs, monkeypatch):
+    """With overlap (step t+1 launched from step t's tokens before the host reads step t) every request
+    gets the tokens, logprobs and finish reason of the step-by-step engine: requests stopping on a stop
+    token in the middle of a batch, length limits of every size, more requests than slots (admission
+    while others decode), one abort. Batch-invariant kernels, so batch composition cannot hide a
+    difference."""
+    from lockstep_kernels import batch_invariant_mode
+    from pipeline.rollout.engine import core
+
+    def run(overlap):
+        monkeypatch.setattr(core, "OVERLAP", overlap)
+        engine = make_engine(dense_dir, max_running=4, graph_bs=graph_bs)
+        reqs = [Request([3 + i % 5] * (1 + i % 3), SamplingParams(
+            max_new_tokens=2 + (i * 7) % 13, ignore_eos=True, sampling_seed=i,
+            stop_token_ids=[7, 11] if i % 2 else [])) for i in range(10)]
+        for r in reqs:
+            engine.submit(r)
+        in_flight, calls = 0, 0
+        with batch_invariant_mode():
+            while engine.waiting or engine.running:
+                engine.step()
+                calls += 1
+                in_flight += engine.pending is not None
+                if calls == 6:
+                    engine.abort(reqs[1].rid)
+        assert all(r.done.is_set() for r in reqs)
+        return in_flight, [(r.output_ids, r.output_logprobs, r.finish_reason) for r in reqs]
+
+    plain_in_flight, plain = run(False)
+    overlap_in_flight, overlapped = run(True)
+    assert plain_in_flight == 0 and overlap_in_flight > 10
+    assert overlapped == plain
+    reasons = [reason["type"] for _, _, reason in plain]
+    assert {"stop", "length", "abort"} <= set(reasons), reasons
+
+
 def test_greedy_and_stop(dense_dir):
     engine = make_engine(dense_dir)
     greedy = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))])[0]

@@ -11,6 +11,7 @@ updates take `model_lock`, which a step holds, so weights never change in the mi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -83,19 +84,47 @@ class Request:
         return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
 
 
-def sampling_rows(reqs: list[Request], device, per_request: int = 1) -> dict:
+def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0) -> dict:
     """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
-    starting at its next one (rows request-major: a request's positions are adjacent). Built on the host
-    and moved in two copies; `truncated` (any row with top-p/top-k) is known without reading the device."""
+    starting at its next one, `ahead` past it (tokens sampled but not read back yet) (rows request-major:
+    a request's positions are adjacent). Built on the host and moved in two copies; `truncated` (any row
+    with top-p/top-k) is known without reading the device."""
     floats = torch.tensor([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32)
-    ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs], [len(r.output_ids) for r in reqs]],
-                        dtype=torch.int64)
+    ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs],
+                         [len(r.output_ids) + ahead for r in reqs]], dtype=torch.int64)
     if per_request > 1:
         floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
         ints[2] += torch.arange(per_request).repeat(len(reqs))
     floats, ints = floats.to(device), ints.to(device)
     return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
             "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}
+
+
+# Decode steps overlap: step t+1 is launched from step t's tokens on the device before the host reads
+# step t back (SGLang's overlap scheduler). LOCKSTEP_OVERLAP=0 runs every step to the end first.
+OVERLAP = os.environ.get("LOCKSTEP_OVERLAP", "1") != "0"
+
+
+class _Pending:
+    """A decode step launched and not read back: row i is reqs[i] (running slot i)."""
+
+    def __init__(self, reqs: list[Request], tokens_B: torch.Tensor, logps_B: torch.Tensor):
+        self.reqs, self.tokens = reqs, tokens_B
+        self.event = None
+        if tokens_B.is_cuda:  # start the copy back now; read() waits for it alone
+            self.host = (torch.empty(tokens_B.shape, dtype=tokens_B.dtype, pin_memory=True),
+                         torch.empty(logps_B.shape, dtype=logps_B.dtype, pin_memory=True))
+            self.host[0].copy_(tokens_B, non_blocking=True)
+            self.host[1].copy_(logps_B, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = (tokens_B, logps_B)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[0].tolist(), self.host[1].tolist()
 
 
 class Engine:
@@ -143,6 +172,7 @@ class Engine:
         self.error: str | None = None  # set when the scheduler died
         self.released: set[str] = set()  # "weights" / "kv_cache" while their memory is given back
         self.weights_valid = True  # False after a release, until the next weight update
+        self.pending: _Pending | None = None  # a decode step in flight (overlap)
         self.spec = None
         if speculative_num_steps > 0:
             from pipeline.rollout.engine.speculative import SpecDecoder
@@ -186,8 +216,8 @@ class Engine:
         """Stop scheduling after the current step; running requests stay in place."""
         with self.cv:
             self.paused = True
-        with self.model_lock:  # wait for a step in flight to finish
-            pass
+        with self.model_lock:  # wait for the step running now, then read back the one in flight
+            self._drain()
 
     def resume(self) -> None:
         with self.cv:
@@ -217,6 +247,7 @@ class Engine:
                 self.step()
         except BaseException as e:
             self.error = f"{type(e).__name__}: {e}"
+            self.pending = None
             with self.cv:
                 for req in list(self.waiting) + self.running:
                     self._finish(req, {"type": "abort", "message": f"engine failed: {self.error}"})
@@ -228,9 +259,12 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> None:
         with self.model_lock:
-            self._drop_aborted()
+            self._drop_aborted_waiting()
             with self.cv:
                 admit = self._admit()
+            if admit or any(r.abort_requested for r in self.running):
+                self._drain()  # the running set changes: nothing may be in flight
+            self._drop_aborted_running()
             if admit:
                 self._prefill(admit)
             elif self.running:
@@ -247,20 +281,23 @@ class Engine:
             tokens += n
         return admit
 
-    def _drop_aborted(self) -> None:
+    def _drop_aborted_waiting(self) -> None:
         with self.cv:
             for req in [r for r in self.waiting if r.abort_requested]:
                 self.waiting.remove(req)
                 self._finish(req, {"type": "abort"})
+
+    def _drop_aborted_running(self) -> None:
         for i in reversed(range(len(self.running))):
             if self.running[i].abort_requested:
                 self._finish_running(i, {"type": "abort"})
 
-    def _forward(self, ids: list[int], ctx: CacheAttention, record: bool, logits_at: torch.Tensor):
+    def _forward(self, ids: list[int] | torch.Tensor, ctx: CacheAttention, record: bool, logits_at: torch.Tensor):
         """Logits [B, V] at `logits_at` (each sequence's last new token), the routing record, and when
-        speculating the last layer's hidden states [N, D] (what the MTP draft head reads; else None)."""
+        speculating the last layer's hidden states [N, D] (what the MTP draft head reads; else None).
+        `ids` may already be a device tensor (a decode step's tokens not read back yet)."""
         routing = MoeRouting(record=True, jitter=self.router_jitter) if (record and self.args.is_moe) else None
-        ids_N = torch.tensor(ids, dtype=torch.long, device=self.device)
+        ids_N = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=self.device)
         out = self.model(ids_N, ctx.positions, ctx, routing, logits_at_M=logits_at, return_hidden=self.spec is not None)
         logits, hidden = out if self.spec is not None else (out, None)
         return logits, routing, hidden
@@ -283,9 +320,44 @@ class Engine:
         self._sample_and_advance(admit, logits, base)
 
     def _decode(self) -> None:
-        reqs = self.running
-        b = len(reqs)
-        last, starts = [r.output_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs]
+        """One decode step of every running request. Overlapped (OVERLAP, no routing record): the step
+        is launched from the previous step's tokens still on the device, and the host reads that
+        previous step back (appends, finish checks) while this one runs. A step is not launched ahead
+        when a request may reach its length limit with the step before (its row would run past it);
+        when a request stops on a stop token, the step launched after it is read back at once (its
+        row is discarded) and the finished requests leave the batch with nothing in flight."""
+        prev = self.pending
+        if prev is not None and not self._can_run_ahead(self.running):
+            self._drain()
+            prev = None
+            if not self.running:
+                return
+        step = self._launch_decode(self.running, prev)
+        if prev is None:
+            if self._overlappable(self.running):
+                self.pending = step
+            else:
+                self._remove_finished(self._advance(step, 0))
+            return
+        self.pending = None
+        finished = self._advance(prev, 0)
+        if not finished:
+            self.pending = step
+            return
+        self._remove_finished(finished + self._advance(step, 0, skip={slot for slot, _ in finished}))
+
+    def _overlappable(self, reqs: list[Request]) -> bool:
+        return OVERLAP and self.spec is None and not any(r.return_routed_experts for r in reqs)
+
+    def _can_run_ahead(self, reqs: list[Request]) -> bool:
+        """True if no request can finish by length with the step in flight (host counts lag it by one)."""
+        return self._overlappable(reqs) and all(
+            len(r.output_ids) + 1 < r.params.max_new_tokens and r.num_tokens + 1 < self.context_length for r in reqs)
+
+    def _launch_decode(self, reqs: list[Request], prev: _Pending | None) -> _Pending:
+        b, ahead = len(reqs), 0 if prev is None else 1
+        last = prev.tokens if prev is not None else [r.output_ids[-1] for r in reqs]
+        starts = [r.num_tokens - 1 + ahead for r in reqs]
         if self.graphs is not None and b <= self.graphs.max_bs:
             logits = self.graphs.run(last, starts)
         else:
@@ -294,7 +366,35 @@ class Engine:
             logits, routing, _ = self._forward(last, ctx, record, torch.arange(b, device=self.device))
             self._keep_routing(reqs, [1] * b, routing)
         self.stats["decode_tokens"] += b
-        self._sample_and_advance(list(reqs), logits, 0)
+        rows = sampling_rows(reqs, self.device, ahead=ahead)
+        tokens_B = sample(logits, **rows)
+        return _Pending(list(reqs), tokens_B, token_logprobs(logits, tokens_B, rows["temperature_B"]))
+
+    def _advance(self, step: _Pending, first_slot: int, skip: set[int] = frozenset()) -> list[tuple[int, dict]]:
+        """Append a step's tokens and logprobs (rows in `skip`: finished before it, discarded); returns
+        (slot, finish reason) of the requests it finished."""
+        tokens, logps = step.read()
+        finished = []
+        for i, r in enumerate(step.reqs):
+            if first_slot + i in skip:
+                continue
+            r.output_ids.append(tokens[i])
+            r.output_logprobs.append(logps[i])
+            reason = self._finish_reason(r, tokens[i])
+            if reason:
+                finished.append((first_slot + i, reason))
+        return finished
+
+    def _remove_finished(self, finished: list[tuple[int, dict]]) -> None:
+        for slot, reason in sorted(finished, reverse=True):
+            self._finish_running(slot, reason)
+
+    @torch.inference_mode()
+    def _drain(self) -> None:
+        """Read back the decode step in flight, if any (callers hold model_lock)."""
+        if self.pending is not None:
+            step, self.pending = self.pending, None
+            self._remove_finished(self._advance(step, 0))
 
     def _keep_routing(self, reqs: list[Request], counts: list[int], routing: MoeRouting | None) -> None:
         if routing is None:
@@ -307,17 +407,8 @@ class Engine:
     def _sample_and_advance(self, reqs: list[Request], logits_BV: torch.Tensor, first_slot: int) -> None:
         rows = sampling_rows(reqs, self.device)
         tokens_B = sample(logits_BV, **rows)
-        logps_B = token_logprobs(logits_BV, tokens_B, rows["temperature_B"])
-        tokens, logps = tokens_B.tolist(), logps_B.tolist()
-        finished = []
-        for i, r in enumerate(reqs):
-            r.output_ids.append(tokens[i])
-            r.output_logprobs.append(logps[i])
-            reason = self._finish_reason(r, tokens[i])
-            if reason:
-                finished.append((first_slot + i, reason))
-        for slot, reason in sorted(finished, reverse=True):
-            self._finish_running(slot, reason)
+        step = _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]))
+        self._remove_finished(self._advance(step, first_slot))
 
     def _finish_reason(self, r: Request, token: int) -> dict | None:
         stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
@@ -351,6 +442,7 @@ class Engine:
         """Swap in a complete set (or subset) of weights between steps."""
         params = self.params
         with self.model_lock, torch.no_grad():
+            self._drain()  # tokens of the step in flight came from the weights before
             if "weights" in self.released:  # memory comes back; the update fills it
                 self._resume_weights()
             written = load_into(params, named)

@@ -126,15 +126,23 @@ class DecodeGraphs:
         self.steps[bucket] = step
         return step
 
-    def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [B, V] for B decode rows (slot b holds row b), through the bucket's step."""
-        b = len(token_ids)
+    def run(self, token_ids: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] for B decode rows (slot b holds row b), through the bucket's step. token_ids
+        may be a device tensor (the tokens the previous step sampled, not read back yet): it is copied
+        into the step's buffer on the device."""
+        b = len(positions)
         bucket = self.bucket(b)
         pad = [0] * (bucket - b)
-        host = torch.tensor([token_ids + pad, positions + pad], dtype=torch.long)
+        on_device = isinstance(token_ids, torch.Tensor)
+        host = torch.tensor([[0] * bucket if on_device else token_ids + pad, positions + pad], dtype=torch.long)
         step = self.steps.get(bucket)
         if step is None:  # not made yet, or dropped by reset()
+            if on_device:
+                host[0, :b] = token_ids.cpu()
             step = self._make(bucket, host)
+        elif on_device:
+            step.inputs[1].copy_(host[1], non_blocking=True)
+            step.inputs[0, :b].copy_(token_ids)  # rows b.. keep earlier valid ids: padding either way
         else:
             step.inputs.copy_(host, non_blocking=True)
         self.replays += 1

@@ -94,6 +94,8 @@ def main(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--fused-sampling", action="store_true",
                    help="also the engine with the fused Triton sampler switched the other way (LOCKSTEP_FUSED_SAMPLING), side by side")
+    p.add_argument("--overlap", action="store_true",
+                   help="also the engine with overlapped decode switched the other way (LOCKSTEP_OVERLAP), side by side")
     p.add_argument("--fp8", action="store_true", help="also the engine with FP8 linear layers (engine.quantization=fp8)")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
@@ -132,17 +134,26 @@ def main(argv=None):
             other = decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)
             sampling._FUSED = default
             fused = other / ours if sampling._FUSED is False else ours / other  # fused sampler vs torch's
+        overlap = None
+        if a.overlap:
+            from pipeline.rollout.engine import core
+
+            default, core.OVERLAP = core.OVERLAP, not core.OVERLAP
+            other = decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)
+            core.OVERLAP = default
+            overlap = ours / other if default else other / ours  # overlapped vs step by step
         theirs = decode_rate(lambda bb, pp, nn: hf_run(hf, bb, pp, nn, device), b, prompt, new) if hf else None
         kv_bytes = b * (prompt + new / 2) * kv_per_token  # average context over the decode
         bound = b / ((weight_bytes + kv_bytes) / (bw / 2))  # a step reads weights + KV once
         rows.append({"batch": b, "engine_tok_s": ours, "engine_eager_tok_s": eager, "graphs_vs_eager": ours / eager,
-                     "fused_sampling_vs_torch": fused, "engine_fp8_tok_s": low, "fp8_vs_bf16": low / ours if low else None,
+                     "fused_sampling_vs_torch": fused, "overlap_vs_step_by_step": overlap, "engine_fp8_tok_s": low, "fp8_vs_bf16": low / ours if low else None,
                      "hf_tok_s": theirs,
                      "engine_vs_hf": ours / theirs if theirs else None, "bound_tok_s": bound,
                      "frac_of_bound": ours / bound})
         print(f"batch {b:4d}: engine {ours:10.1f} tok/s (eager {eager:8.1f}, graphs {ours / eager:5.2f}x"
               + (f", fp8 {low:8.1f} = {low / ours:4.2f}x" if low else "")
-              + (f", fused sampler vs torch {fused:4.2f}x" if fused else "") + f")   transformers {theirs or float('nan'):10.1f} tok/s   "
+              + (f", fused sampler vs torch {fused:4.2f}x" if fused else "")
+              + (f", overlapped vs step by step {overlap:4.2f}x" if overlap else "") + f")   transformers {theirs or float('nan'):10.1f} tok/s   "
               f"ratio {rows[-1]['engine_vs_hf'] or float('nan'):5.2f}x   bound {bound:10.1f} tok/s   "
               f"{100 * ours / bound:5.1f}% of bound", flush=True)
     identical = graphs_bit_identical(model, device, dtype)

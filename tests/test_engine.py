@@ -125,7 +125,7 @@ def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
 
 @pytest.mark.parametrize("graph_bs", [0, 4])
 def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs, monkeypatch):
-    """With overlap (step t+1 launched from step t's tokens before the host reads step t) every request
+    """With overlap (LOCKSTEP_OVERLAP=1: step t+1 launched from step t's tokens before the host reads step t) every request
     gets the tokens, logprobs and finish reason of the step-by-step engine: requests stopping on a stop
     token in the middle of a batch, length limits of every size, more requests than slots (admission
     while others decode), one abort. Batch-invariant kernels, so batch composition cannot hide a

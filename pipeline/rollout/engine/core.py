@@ -84,6 +84,14 @@ class Request:
         return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
 
 
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor onto the device; with overlapped decode from pinned memory, non-blocking (a copy
+    from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
+    if torch.device(device).type != "cuda" or not OVERLAP:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0) -> dict:
     """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
     starting at its next one, `ahead` past it (tokens sampled but not read back yet) (rows request-major:
@@ -95,14 +103,16 @@ def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int 
     if per_request > 1:
         floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
         ints[2] += torch.arange(per_request).repeat(len(reqs))
-    floats, ints = floats.to(device), ints.to(device)
+    floats, ints = _to_device(floats, device), _to_device(ints, device)
     return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
             "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}
 
 
-# Decode steps overlap: step t+1 is launched from step t's tokens on the device before the host reads
-# step t back (SGLang's overlap scheduler). LOCKSTEP_OVERLAP=0 runs every step to the end first.
-OVERLAP = os.environ.get("LOCKSTEP_OVERLAP", "1") != "0"
+# Overlapped decode (LOCKSTEP_OVERLAP=1): step t+1 is launched from step t's tokens on the device before
+# the host reads step t back (SGLang's overlap scheduler). Off by default: on the H200 its first version
+# ran at 0.67-1.06x of step-by-step decode (its host-to-device copies came from pageable memory, which
+# waits for the stream); the pinned copies since then have not run on a GPU yet (BENCHMARKS.md).
+OVERLAP = os.environ.get("LOCKSTEP_OVERLAP", "0") == "1"
 
 
 class _Pending:
@@ -111,7 +121,7 @@ class _Pending:
     def __init__(self, reqs: list[Request], tokens_B: torch.Tensor, logps_B: torch.Tensor):
         self.reqs, self.tokens = reqs, tokens_B
         self.event = None
-        if tokens_B.is_cuda:  # start the copy back now; read() waits for it alone
+        if tokens_B.is_cuda and OVERLAP:  # start the copy back now; read() waits for it alone
             self.host = (torch.empty(tokens_B.shape, dtype=tokens_B.dtype, pin_memory=True),
                          torch.empty(logps_B.shape, dtype=logps_B.dtype, pin_memory=True))
             self.host[0].copy_(tokens_B, non_blocking=True)

@@ -135,6 +135,8 @@ class DecodeGraphs:
         pad = [0] * (bucket - b)
         on_device = isinstance(token_ids, torch.Tensor)
         host = torch.tensor([[0] * bucket if on_device else token_ids + pad, positions + pad], dtype=torch.long)
+        if self.use_graphs and on_device:  # overlapped decode: pageable memory would wait for the stream
+            host = host.pin_memory()
         step = self.steps.get(bucket)
         if step is None:  # not made yet, or dropped by reset()
             if on_device:

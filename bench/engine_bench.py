@@ -24,6 +24,7 @@ from bench.common import copy_bandwidth, generate, qwen3_0p5b, sync, write  # no
 from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.hf_io import load_model, save_model  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
+from pipeline.rollout.engine import core, sampling  # noqa: E402
 
 
 def prompts_for(model, batch, prompt):
@@ -37,6 +38,18 @@ def engine_run(model, batch, prompt, new, device, dtype, graphs=True, quantizati
                            quantization=quantization)
     assert all(len(r.output_ids) == new for r in reqs)
     return dt
+
+
+def on_vs_off(module, flag: str, rate: float, rerun) -> float:
+    """Decode rate with `module.flag` on over the rate with it off: `rate` was measured with the flag as
+    it is; `rerun()` measures with it switched the other way."""
+    default = getattr(module, flag)
+    setattr(module, flag, not default)
+    try:
+        other = rerun()
+    finally:
+        setattr(module, flag, default)
+    return rate / other if default else other / rate
 
 
 def graphs_bit_identical(model, device, dtype) -> bool:
@@ -126,22 +139,9 @@ def main(argv=None):
 
             low = decode_rate(lambda bb, pp, nn: engine_run(copy.deepcopy(model), bb, pp, nn, device, dtype,
                                                             quantization="fp8"), b, prompt, new)
-        fused = None
-        if a.fused_sampling:
-            from pipeline.rollout.engine import sampling
-
-            default, sampling._FUSED = sampling._FUSED, not sampling._FUSED
-            other = decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)
-            sampling._FUSED = default
-            fused = other / ours if sampling._FUSED is False else ours / other  # fused sampler vs torch's
-        overlap = None
-        if a.overlap:
-            from pipeline.rollout.engine import core
-
-            default, core.OVERLAP = core.OVERLAP, not core.OVERLAP
-            other = decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)
-            core.OVERLAP = default
-            overlap = ours / other if default else other / ours  # overlapped vs step by step
+        rerun = lambda: decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)  # noqa: E731
+        fused = on_vs_off(sampling, "_FUSED", ours, rerun) if a.fused_sampling else None  # fused sampler vs torch's
+        overlap = on_vs_off(core, "OVERLAP", ours, rerun) if a.overlap else None  # overlapped vs step by step
         theirs = decode_rate(lambda bb, pp, nn: hf_run(hf, bb, pp, nn, device), b, prompt, new) if hf else None
         kv_bytes = b * (prompt + new / 2) * kv_per_token  # average context over the decode
         bound = b / ((weight_bytes + kv_bytes) / (bw / 2))  # a step reads weights + KV once

@@ -87,16 +87,23 @@ def measure_process(args, device, dtype, reps=5) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tok = os.path.join(tmp, "tok")
         build_tiny_tokenizer(tok)
-        save_model(dict(full_state(trainer, args, dtype)), args, os.path.join(tmp, "model"), tokenizer_dir=tok)
+        state = dict(full_state(trainer, args, dtype))
+        save_model(state, args, os.path.join(tmp, "model"), tokenizer_dir=tok)
+        want = state.pop("model.norm.weight").float().cpu().tolist()
+        del state
         ready = os.path.join(tmp, "engine.json")
         log = open(os.path.join(tmp, "engine.log"), "wb")
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.rollout.engine.server", "--model-path",
                                  os.path.join(tmp, "model"), "--device", device.type, "--dtype", str(dtype).split(".")[1],
                                  "--context-length", "64", "--max-running-requests", "1", "--disable-cuda-graph",
                                  "--ready-file", ready], stdout=log, stderr=subprocess.STDOUT)
+
+        def alive():
+            if proc.poll() is not None:
+                sys.exit(open(os.path.join(tmp, "engine.log")).read()[-3000:])
+
         try:
-            client = EngineClient(wait_for(ready, 300, lambda: proc.poll() is None or sys.exit(
-                open(os.path.join(tmp, "engine.log")).read()[-3000:]))["url"], timeout_s=120)
+            client = EngineClient(wait_for(ready, 300, alive)["url"], timeout_s=120)
             for transport, backend in (("tensor", "auto"), ("broadcast", "gloo")):
                 cfg = WeightsConfig(type=transport, backend=backend, keep_host_copy=False, timeout_s=120)
                 sender = make_sender(cfg, [client], device, "127.0.0.1")
@@ -109,7 +116,6 @@ def measure_process(args, device, dtype, reps=5) -> dict:
                     best = min(best, time.perf_counter() - t0)
                 sender.close()
                 norm = client.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": -1})
-                want = dict(full_state(trainer, args, dtype))["model.norm.weight"].float().cpu().tolist()
                 out[transport] = {"update_s": best, "bytes": stats["bytes"], "buckets": stats["buckets"],
                                   "engine_messages": stats.get("engine_messages"),
                                   "engine_equals_trainer": norm == want and client.weight_version() == str(reps)}

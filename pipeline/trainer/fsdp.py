@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.config.schema import RunConfig
+from pipeline.errors import ConfigError
 from pipeline.models.hf_io import load_model
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.models.mtp import mtp_inputs
@@ -229,7 +230,6 @@ class FSDPBackend:
         self.mesh = init_device_mesh(device.type, (self.world,))
         self.args, model = load_model(model_dir, dtype=torch.float32, device=device, mtp_layers=cfg.model.mtp_num_layers)
         if cfg.train.int4_qat:
-            from pipeline.errors import ConfigError
             from pipeline.models.qat import enable_int4_qat
 
             if not self.args.is_moe:
@@ -240,8 +240,6 @@ class FSDPBackend:
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         if cfg.train.compile and self.args.is_moe:
-            from pipeline.errors import ConfigError
-
             raise ConfigError("train.compile is for dense models: MoE layers keep Python routing state (R3)")
         self.model = shard(model, self.mesh, self.compute_dtype, recompute=cfg.train.recompute_activations,
                            compile=cfg.train.compile)

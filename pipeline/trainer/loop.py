@@ -139,7 +139,8 @@ class Trainer:
         return int(record["step"])
 
     def connect_engines(self) -> None:
-        """Rank 0: the weight transport to every engine (a group, or colocated handles), and a watcher that catches up a restarted engine."""
+        """Rank 0: the weight transport to every engine (a group, or colocated handles), and a watcher
+        that catches up a restarted engine."""
         root, n, key = self.layout.root, self.cfg.engine.num_engines, os.environ.get("LOCKSTEP_API_KEY")
         urls = rdzv.engine_urls(root, n)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]

@@ -243,14 +243,20 @@ class BroadcastSender:
                     broadcast(self.pg, wire(t.to(self.staging).contiguous()), src=0)
                     nbytes += t.numel() * t.element_size()
             finally:
-                for f in futures:
-                    try:
-                        f.result(timeout=self.cfg.timeout_s)
-                    except FutureTimeout as e:
-                        raise EngineError(f"weight update request got no answer within {self.cfg.timeout_s:.0f}s "
-                                          "(weights.timeout_s); the engine keeps its last complete version") from e
+                self._answers(futures, "; the engine keeps its last complete version")
             nbuckets += 1
         return {"bytes": nbytes, "buckets": nbuckets, "seconds": time.monotonic() - t0}
+
+    def _answers(self, futures, note: str = "") -> list[dict]:
+        """Every engine's answer to one update request, each within weights.timeout_s."""
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=self.cfg.timeout_s))
+            except FutureTimeout as e:
+                raise EngineError(f"weight update request got no answer within {self.cfg.timeout_s:.0f}s "
+                                  f"(weights.timeout_s){note}") from e
+        return out
 
     def close(self) -> None:
         if getattr(self, "_stop", None) is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Iterable
 
 import torch
@@ -68,12 +67,7 @@ class TensorSender(BroadcastSender):
             body = protocol.update_tensor_body(bucket, version=version if last else None)
             futures = [self.pool.submit(c.checked, "/update_weights_from_tensor", body, self.cfg.timeout_s)
                        for c in self.clients]
-            for f in futures:
-                try:
-                    messages.append(f.result(timeout=self.cfg.timeout_s).get("message"))
-                except FutureTimeout as e:
-                    raise EngineError(f"weight update request got no answer within {self.cfg.timeout_s:.0f}s "
-                                      "(weights.timeout_s)") from e
+            messages += [answer.get("message") for answer in self._answers(futures)]
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             nbuckets += 1
         return {"bytes": nbytes, "buckets": nbuckets, "seconds": time.monotonic() - t0, "engine_messages": messages}

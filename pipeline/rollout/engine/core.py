@@ -376,9 +376,13 @@ class Engine:
             logits, routing, _ = self._forward(last, ctx, record, torch.arange(b, device=self.device))
             self._keep_routing(reqs, [1] * b, routing)
         self.stats["decode_tokens"] += b
+        return self._sample(reqs, logits, ahead)
+
+    def _sample(self, reqs: list[Request], logits_BV: torch.Tensor, ahead: int = 0) -> _Pending:
+        """Sample each row's next token (and its logprob); nothing read back yet."""
         rows = sampling_rows(reqs, self.device, ahead=ahead)
-        tokens_B = sample(logits, **rows)
-        return _Pending(list(reqs), tokens_B, token_logprobs(logits, tokens_B, rows["temperature_B"]))
+        tokens_B = sample(logits_BV, **rows)
+        return _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]))
 
     def _advance(self, step: _Pending, first_slot: int, skip: set[int] = frozenset()) -> list[tuple[int, dict]]:
         """Append a step's tokens and logprobs (rows in `skip`: finished before it, discarded); returns
@@ -415,10 +419,7 @@ class Engine:
                 r.routed.append(chunk)
 
     def _sample_and_advance(self, reqs: list[Request], logits_BV: torch.Tensor, first_slot: int) -> None:
-        rows = sampling_rows(reqs, self.device)
-        tokens_B = sample(logits_BV, **rows)
-        step = _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]))
-        self._remove_finished(self._advance(step, first_slot))
+        self._remove_finished(self._advance(self._sample(reqs, logits_BV), first_slot))
 
     def _finish_reason(self, r: Request, token: int) -> dict | None:
         stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)

@@ -19,8 +19,8 @@ from pipeline.models.logprobs import GREEDY_EPS, scaled_logits
 
 # The fused Triton sampler (lockstep_kernels/gpu/sampling.py) on GPUs: the same tokens as the torch path
 # (tests/triton_checks.py sampling, on the H200 at vocab 151936); decode with it 1.2-1.5x at batch 64 and
-# 1.6-2.2x at batch 256 over three runs, within noise at batch 1-16
-# (bench/engine_bench.py --fused-sampling, two runs). LOCKSTEP_FUSED_SAMPLING=0 turns it off.
+# 1.6-2.2x at batch 256 over three runs, within noise at batch 1-16 (bench/engine_bench.py
+# --fused-sampling). LOCKSTEP_FUSED_SAMPLING=0 turns it off.
 _FUSED = os.environ.get("LOCKSTEP_FUSED_SAMPLING", "1") != "0"
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64

@@ -51,4 +51,11 @@ class ComponentFailed(RuntimeError):
         self.component = component
         self.returncode = returncode
         self.log_tail = log_tail
-        super().__init__(f"component {component!r} failed (exit status {returncode})")
+        cause = last_error_line(log_tail)
+        super().__init__(f"component {component!r} failed (exit status {returncode})" + (f": {cause}" if cause else ""))
+
+
+def last_error_line(log_tail: str) -> str:
+    """The last `SomeError: message` line of a log (a Python traceback's final line), or ''."""
+    lines = re.findall(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Failed)): (.*)$", log_tail, flags=re.M)
+    return f"{lines[-1][0]}: {lines[-1][1]}" if lines else ""

@@ -124,3 +124,23 @@ def test_sigterm_to_launcher_leaves_no_orphans(tmp_path):
     p.communicate(timeout=60)
     assert p.returncode == 130
     assert wait_until(lambda: not procs_of(run_dir), timeout=20), procs_of(run_dir)
+
+
+@pytest.mark.slow
+def test_colocated_run_with_bucketed_tensor_updates(tmp_path):
+    """Issue 20's third failure, as a whole job: colocated engines (memory given back while the trainer
+    trains) refilled through CUDA IPC / shared-memory handles in many buckets. Before the fix step 1's
+    requests were refused until the retry budget ran out; now every step runs, on-policy to the bit."""
+    from test_reliability import SMALL
+
+    run_dir = tmp_path / "run"
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "num_rollout=3", "engine.colocated=true",
+                   "weights.type=tensor", "weights.bucket_size_mb=0.05", "determinism.true_on_policy=true",
+                   "rollout.retry_budget_s=20")
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = read_metrics(str(run_dir))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in records)
+    assert all(r["weights/buckets"] > 5 for r in records)  # each version arrived in several requests
+    log = open(run_dir / "logs" / "engine_0.log").read()
+    assert log.count("memory released: kv_cache, weights") == 3

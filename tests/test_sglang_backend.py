@@ -21,7 +21,7 @@ from pipeline.errors import ComponentFailed
 from pipeline.launch import rendezvous as rdzv
 from pipeline.models.hf_io import load_model
 from pipeline.rollout import protocol
-from pipeline.rollout.client import EngineClient, EngineError, EnginePool
+from pipeline.rollout.client import EngineClient, EngineError, EnginePool, EngineStateError
 from pipeline.rollout.router import SglangRouter
 from pipeline.rollout.sglang_server import SglangSupervisor
 
@@ -106,16 +106,45 @@ def test_colocated_tensor_update_memory_release_and_resume(dense_dir, engine_fac
     assert got == [0.5, 0.5, 0.5] and c.weight_version() == "1"
 
     c.release_memory()  # both weights and KV cache
-    with pytest.raises(EngineError, match="503.*memory released"):
+    with pytest.raises(EngineStateError, match="memory released"):
         c.generate([[5]], [params()])
     assert "kv_cache" in c.release_memory(["kv_cache"])["message"]  # releasing again is harmless
     c.resume_memory()
-    with pytest.raises(EngineError, match="503.*send a weight update"):
+    with pytest.raises(EngineStateError, match="send a complete update"):
         c.generate([[5]], [params()])
     c.update_weights_from_tensor(list(original.items()), version=2)
     after = c.generate([[5, 6, 7]], [params(6)])[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
     assert after.weight_version == "2"
+
+
+def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory):
+    """Issue 20: a 4B colocated run sent its version in 16 buckets (one request each) after a memory
+    release; the engine counted only the last request's names as refilled and refused every /generate
+    of the next step with 503, which the rollout manager retried for 5 minutes. Now the buckets
+    accumulate, an update whose last bucket leaves parameters unwritten fails at once, and a refusal
+    in that state (409) is not retried."""
+    eng = engine_factory(dense_dir)
+    c = EngineClient(eng.url)
+    before = c.generate([[5, 6, 7]], [params(6)])[0]
+    _, model = load_model(dense_dir)
+    items = list(model.state_dict().items())
+    first, rest = items[: len(items) // 2], items[len(items) // 2:]
+    c.release_memory()
+    c.resume_memory(["weights"])
+    c.resume_memory(["kv_cache"])
+    c.update_weights_from_tensor(first)  # a bucket without a version
+    with pytest.raises(EngineStateError, match="have not been written"):
+        c.generate([[5]], [params()])
+    with pytest.raises(EngineError, match="incomplete after a memory release"):
+        c.update_weights_from_tensor(rest[:-1], version=1)  # the "last" bucket, one tensor short
+    pool = EnginePool([eng.url], timeout_s=30)
+    with pytest.raises(EngineStateError):
+        pool.generate([[5]], [params()])
+    assert pool.retries == 0  # refused at once, not retried for rollout.retry_budget_s
+    c.update_weights_from_tensor(rest[-1:], version=1)
+    after = c.generate([[5, 6, 7]], [params(6)])[0]
+    assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
 
 
 def test_tensor_update_refuses_anything_but_tensors(dense_dir, engine_factory):

@@ -25,6 +25,11 @@ class EngineError(RuntimeError):
     pass
 
 
+class EngineStateError(EngineError):
+    """The engine refuses the request in a state only a control call changes (HTTP 409: memory released,
+    weights not refilled after a release): retrying the request elsewhere or later cannot help."""
+
+
 @dataclass
 class Generation:
     """One response, decoded from SGLang's /generate output."""
@@ -81,6 +86,8 @@ class EngineClient:
                 if attempt == 0 and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
                     continue
                 raise EngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+            if resp.status == 409:
+                raise EngineStateError(f"{self.url}{path}: {payload[:300].decode(errors='replace')}")
             if resp.status >= 400:
                 raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {payload[:300]!r}")
             if not payload:
@@ -320,6 +327,8 @@ class EnginePool:
                         self.note_version(client.url, g.weight_version)
                     self.remember(session, client.url)
                     return gens
+                except EngineStateError:
+                    raise
                 except EngineError as e:
                     last = e
                     tried.add(client.url)

@@ -406,6 +406,7 @@ class Trainer:
         record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf}
         if sync:
             record["weights/bytes"] = sync["bytes"]
+            record["weights/buckets"] = sync["buckets"]
             record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
             record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)

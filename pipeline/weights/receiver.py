@@ -119,7 +119,16 @@ class WeightReceiver:
             self.staged[name] = {}
         self.engine.load_weights(self.dequantized(staged), str(version))
         self.last_update_s = time.monotonic() - t0
-        return True, f"weights updated to version {version}"
+        return self.complete(version) or (True, f"weights updated to version {version}")
+
+    def complete(self, version) -> tuple[bool, str] | None:
+        """A failure answer when the update that carries `version` leaves parameters unwritten since a
+        memory release (the engine then keeps refusing /generate); None when the version is whole."""
+        missing = self.engine.missing_after_release()
+        if version is None or not missing:
+            return None
+        return False, (f"weight version {version} is incomplete after a memory release: {len(missing)} parameter(s)"
+                       f" were not sent (e.g. {missing[0]}); this engine refuses /generate until every one is")
 
     def dequantized(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """FP8 updates (weights.quantization=fp8): an FP8 engine (engine.quantization=fp8) keeps the pairs;
@@ -131,8 +140,9 @@ class WeightReceiver:
 
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
         """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
-        per TP rank (this engine is one rank: the first). Applied as a whole, as the distributed path.
-        Tensors already on the engine's device are read in place (no staging copy): the sender keeps
+        per TP rank (this engine is one rank: the first). Each bucket is applied as it arrives (the
+        sender pauses the engine around the whole version); the one that carries weight_version must
+        leave no parameter unwritten since a memory release. Tensors already on the engine's device are read in place (no staging copy): the sender keeps
         their memory until this answer, and the answer waits for the copies to finish."""
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
@@ -147,12 +157,13 @@ class WeightReceiver:
             staged = self.dequantized({n: t.to(self.engine.device) for n, t in named})
         except Exception as e:
             return False, f"update_weights_from_tensor failed, kept version {self.engine.weight_version}: {e}"
-        self.engine.load_weights(staged, str(body.get("weight_version", self.engine.weight_version)))
+        version = body.get("weight_version")
+        self.engine.load_weights(staged, str(version if version is not None else self.engine.weight_version))
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)  # done reading the sender's memory
         self.last_update_s = time.monotonic() - t0
-        return True, (f"{len(staged)} tensors updated in {1e3 * self.last_update_s:.1f} ms"
-                      f" (handles opened in {1e3 * (t1 - t0):.1f} ms)")
+        done = f"{len(staged)} tensors updated in {1e3 * self.last_update_s:.1f} ms (handles opened in {1e3 * (t1 - t0):.1f} ms)"
+        return self.complete(version) or (True, done)
 
     def update_from_disk(self, body: dict) -> tuple[bool, str]:
         from pipeline.models.hf_io import read_state_dict
@@ -163,5 +174,6 @@ class WeightReceiver:
             return False, f"update_weights_from_disk failed: {e}"
         if self.engine.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        self.engine.load_weights(state, str(body.get("weight_version", self.engine.weight_version)))
-        return True, f"loaded {body['model_path']}"
+        version = body.get("weight_version")
+        self.engine.load_weights(state, str(version if version is not None else self.engine.weight_version))
+        return self.complete(version) or (True, f"loaded {body['model_path']}")

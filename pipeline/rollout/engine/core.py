@@ -181,7 +181,10 @@ class Engine:
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
         self.released: set[str] = set()  # "weights" / "kv_cache" while their memory is given back
-        self.weights_valid = True  # False after a release, until the next weight update
+        # Names written by weight updates since released weights' memory came back (None: the weights
+        # hold a complete version). Colocated updates arrive in buckets, one request each: generation
+        # waits until every parameter has been written again.
+        self.refill: set[str] | None = None
         self.pending: _Pending | None = None  # a decode step in flight (overlap)
         self.spec = None
         if speculative_num_steps > 0:
@@ -457,8 +460,16 @@ class Engine:
             if "weights" in self.released:  # memory comes back; the update fills it
                 self._resume_weights()
             written = load_into(params, named)
-            self.weight_version = version
-            self.weights_valid = self.weights_valid or set(params) <= written
+            if self.refill is not None:
+                self.refill |= written
+                if self.refill >= params.keys():
+                    self.refill = None
+            if self.refill is None:  # a version half-refilled after a release is no version
+                self.weight_version = version
+
+    def missing_after_release(self) -> list[str]:
+        """Parameters not yet written again since the weights' memory came back (empty when complete)."""
+        return [] if self.refill is None else sorted(set(self.params) - self.refill)
 
     # ---- memory (colocated runs: the trainer takes the device while the engine sleeps) ---------------
     def release_memory(self, tags: list[str] | None) -> None:
@@ -497,7 +508,6 @@ class Engine:
                 self.released.discard("kv_cache")
             if "weights" in tags and "weights" in self.released:
                 self._resume_weights()
-                self.weights_valid = False
         if not self.released:
             self.resume()
 
@@ -509,11 +519,14 @@ class Engine:
         for flat in self.flat_weights:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         self.released.discard("weights")
+        self.refill = set()  # the memory is back, its values are not
 
     def unavailable(self) -> str | None:
         """Why /generate cannot be served right now (memory released, or weights not refilled)."""
         if self.released:
             return f"memory released ({', '.join(sorted(self.released))}): call /resume_memory_occupation"
-        if not self.weights_valid:
-            return "weights were released: send a weight update first"
+        missing = self.missing_after_release()
+        if missing:
+            return (f"weights were released and {len(missing)} of {len(self.params)} parameters (e.g. {missing[0]}) "
+                    "have not been written by a weight update since: send a complete update first")
         return None

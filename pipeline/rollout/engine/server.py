@@ -92,8 +92,8 @@ class EngineServer:
 
     def _generate(self, body: dict):
         why = self.engine.unavailable()
-        if why:
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"error": why}
+        if why:  # a state only the trainer's memory / weight calls change: retrying cannot help
+            return HTTPStatus.CONFLICT, {"error": why}
         ids = body.get("input_ids")
         if ids is None:
             return HTTPStatus.BAD_REQUEST, {"error": "input_ids is required (this engine does not tokenize text)"}

@@ -55,6 +55,7 @@ def generate(model, prompts: list[list[int]], new: int, device, dtype, temperatu
     engine = Engine(model, max_running=len(prompts), context_length=len(prompts[0]) + new + 8, eos_token_ids=[0],
                     device=device, dtype=dtype, speculative_num_steps=k, cuda_graph_max_bs=graph_bs,
                     quantization=quantization)
+    engine.capture_graphs()
     reqs = [Request(p, SamplingParams(max_new_tokens=new, temperature=temperature, ignore_eos=True, sampling_seed=i))
             for i, p in enumerate(prompts)]
     sync(device)

@@ -62,6 +62,7 @@ def graphs_bit_identical(model, device, dtype) -> bool:
     def run(graph_bs):
         engine = Engine(model, max_running=8, context_length=128, eos_token_ids=[0], device=device, dtype=dtype,
                         cuda_graph_max_bs=graph_bs)
+        engine.capture_graphs()
         reqs = [Request(p[: 5 + 7 * i], SamplingParams(max_new_tokens=10 + 3 * i, ignore_eos=True, sampling_seed=i))
                 for i, p in enumerate(prompts_for(model, 8, 64))]
         for r in reqs:

@@ -41,6 +41,7 @@ def main(argv=None):
     model = model.to(dtype).eval().requires_grad_(False)
     engine = Engine(model, max_running=a.batch, context_length=512, eos_token_ids=[0], device=device, dtype=dtype,
                     speculative_num_steps=a.spec, cuda_graph_max_bs=0 if a.eager or device.type != "cuda" else a.batch)
+    engine.capture_graphs()
     for i in range(a.batch):
         engine.submit(Request([1 + (j * 7) % (min(args.vocab_size, 1000) - 1) for j in range(64)], SamplingParams(max_new_tokens=400, ignore_eos=True, sampling_seed=i)))
     for _ in range(5):  # prefill + warm-up decode steps

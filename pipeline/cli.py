@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from pipeline.errors import ComponentFailed, UserError
 
@@ -24,9 +25,13 @@ def cmd_run(args) -> int:
     from pipeline.launch.local import run_local
     from pipeline.launch.prepare import prepare_run
     from pipeline.observability.report import plot_rewards, summary
+    from pipeline.observability.startup import LAUNCH, StartupClock, startup_file
 
-    cfg = load_config(args.config, args.overrides)
-    cfg, layout = prepare_run(cfg)
+    clock = StartupClock(started=time.time())
+    with clock.phase("prepare"):
+        cfg = load_config(args.config, args.overrides)
+        cfg, layout = prepare_run(cfg)
+    clock.publish(startup_file(layout.root, LAUNCH))
     print(f"lockstep: run_dir {layout.root} ({cfg.num_rollout} steps, "
           f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
           f"{cfg.engine.num_engines} engine(s), {cfg.train.num_gpus} trainer rank(s))", file=sys.stderr)

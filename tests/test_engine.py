@@ -18,9 +18,11 @@ from pipeline.rollout.engine.sampling import hash_uniform, sample, truncation_ma
 
 def make_engine(model_dir, max_running=8, context=64, graph_bs=0, quantization=None):
     _, model = load_model(model_dir)
-    return Engine(model, max_running=max_running, context_length=context, eos_token_ids=[0],
-                  device=torch.device("cpu"), dtype=torch.float32, cuda_graph_max_bs=graph_bs,
-                  quantization=quantization)
+    engine = Engine(model, max_running=max_running, context_length=context, eos_token_ids=[0],
+                    device=torch.device("cpu"), dtype=torch.float32, cuda_graph_max_bs=graph_bs,
+                    quantization=quantization)
+    engine.capture_graphs()  # as the server does before it serves
+    return engine
 
 
 def run_all(engine, reqs):

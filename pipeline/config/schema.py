@@ -168,6 +168,9 @@ class EngineCommon:
     cuda_graph_max_bs: int | None = None
     """Largest decode batch run from a CUDA graph (SGLang --cuda-graph-max-bs-decode); larger batches run
     eagerly. null: max_running_requests for the built-in engine, SGLang's own default for SGLang."""
+    startup_timeout_s: float = 1200.0
+    """How long one engine may take to load and serve; the trainer and rollout manager, started beside
+    the engines, wait this long for their addresses."""
     colocated: bool = False
     """Engines share GPUs with the trainer: after each step's rollouts they give their memory back
     (/release_memory_occupation: weights and KV cache) while the trainer trains, and take it back for
@@ -175,7 +178,7 @@ class EngineCommon:
 
     def __post_init__(self):
         _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests,
-                  speculative_num_steps=self.speculative_num_steps)
+                  speculative_num_steps=self.speculative_num_steps, startup_timeout_s=self.startup_timeout_s)
         if self.cuda_graph_max_bs is not None:
             _positive("engine", cuda_graph_max_bs=self.cuda_graph_max_bs)
 
@@ -217,8 +220,6 @@ class SglangEngineConfig(EngineCommon):
     """Interpreter of the environment that has SGLang (its container's python on clusters)."""
     extra_args: list[str] = field(default_factory=list)
     """Further `sglang.launch_server` arguments, passed as given (checked by SGLang's own parser)."""
-    startup_timeout_s: float = 1200.0
-    """How long one engine may take to load and answer /health."""
     health_interval_s: float = 10.0
     """Seconds between health checks of a serving engine."""
     health_failures: int = 3
@@ -226,7 +227,7 @@ class SglangEngineConfig(EngineCommon):
 
     def __post_init__(self):
         super().__post_init__()
-        _positive("engine", tp_size=self.tp_size, startup_timeout_s=self.startup_timeout_s,
+        _positive("engine", tp_size=self.tp_size,
                   health_interval_s=self.health_interval_s, health_failures=self.health_failures)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"engine.mem_fraction_static must be in (0, 1) (got {self.mem_fraction_static})")

@@ -21,6 +21,7 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     """Arguments of the built-in engine server for engine `index` of this run."""
     from pipeline.launch import rendezvous as rdzv
     from pipeline.launch.layout import RunLayout
+    from pipeline.observability.startup import startup_file
 
     e = cfg.engine
     context = cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len
@@ -34,6 +35,7 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
         "--device", e.device,
         "--num-threads", str(e.num_threads),
         "--ready-file", rdzv.engine_file(run_dir, index),
+        "--startup-file", startup_file(run_dir, f"engine_{index}"),
     ]
     if cfg.determinism.true_on_policy:
         argv.append("--true-on-policy")

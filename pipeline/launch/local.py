@@ -131,11 +131,11 @@ def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
     bar = ProgressBar(cfg.num_rollout, enabled=progress and cfg.logging.progress)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel / kill: stop children, then exit
     try:
+        # Everything starts at once: engines load and capture graphs while the trainer loads and shards;
+        # the rollout manager and the trainer wait for the engines' addresses themselves.
         for i in range(cfg.engine.num_engines):
             sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", layout.root, "--index", str(i)),
                               restarts=cfg.engine.max_restarts if cfg.engine.type == "local" else 0)
-        for i in range(cfg.engine.num_engines):
-            rdzv.wait_for(rdzv.engine_file(layout.root, i), timeout_s=600, alive=sup.check)
         sup.start("rollout", ["rollout", "--run-dir", layout.root])
         port = rdzv.free_port()
         rdzv.publish(os.path.join(rdzv.rdzv_dir(layout.root), "trainer.json"),

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 
 from pipeline.config import RESOLVED_NAME, dump_config
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError, storage_error
 from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
+from pipeline.observability.startup import startup_dir
 from pipeline.utils.fs import atomic_write_bytes
 
 log = logging.getLogger("lockstep.launch")
@@ -77,8 +79,6 @@ def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
     model = Qwen3ForCausalLM(args)
     model.init_weights(cfg.model.init_seed)
     save_model(model.state_dict(), args, layout.model_init, tokenizer_dir=tok_dir)
-    import shutil
-
     shutil.rmtree(tok_dir, ignore_errors=True)
 
 
@@ -116,6 +116,7 @@ def prepare_run(cfg: RunConfig) -> tuple[RunConfig, RunLayout]:
             make_initial_model(cfg, layout)
         run_token(layout)
         rdzv.reset_control(layout.root)
+        shutil.rmtree(startup_dir(layout.root), ignore_errors=True)  # this start's phases only
     except OSError as e:
         raise storage_error("run directory", getattr(e, "filename", None) or layout.root, e) from e
     return cfg, layout

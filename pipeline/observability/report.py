@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+from pipeline.observability.startup import startup_line
 from pipeline.observability.metrics import read_metrics
 
 
@@ -87,6 +88,9 @@ def summary(run_dir: str) -> str:
         f" (rollout {split['rollout_tokens_per_s']:.0f}/s, train {split['train_tokens_per_s']:.0f}/s)",
         f"total time        {sum(r.get('perf/step_time_s') or 0 for r in records):.0f}s",
     ]
+    started = startup_line(run_dir)
+    if started:
+        lines.append(f"start-up          {started}")
     for name in ("reward.png", "hf"):
         if os.path.exists(os.path.join(run_dir, name)):
             lines.append(f"{'plot' if name.endswith('png') else 'final model':<18}{os.path.join(run_dir, name)}")

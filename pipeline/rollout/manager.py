@@ -83,7 +83,7 @@ class RolloutManager:
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed)
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
-        urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines)
+        urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)
         key = os.environ.get("LOCKSTEP_API_KEY")
         self.router = None
         if cfg.engine.router == "sglang_router":

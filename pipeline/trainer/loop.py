@@ -27,7 +27,8 @@ from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.launch.net import bind_address
 from pipeline.observability.metrics import MetricsWriter
-from pipeline.rollout.client import EngineClient
+from pipeline.observability.startup import StartupClock, startup_file
+from pipeline.rollout.client import EngineClient, EngineError
 from pipeline.rollout.tito import verify_batch
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
@@ -63,11 +64,13 @@ def make_backend(cfg: RunConfig, model_dir: str, device: torch.device):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: str):
+    def __init__(self, cfg: RunConfig, run_dir: str, clock: StartupClock | None = None):
         self.cfg, self.layout = cfg, RunLayout(run_dir)
+        self.clock = clock or StartupClock()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
-        self.backend = make_backend(cfg, self.layout.model_dir(cfg), self.device)
+        with self.clock.phase("model"):  # load, shard, optimizer (and reference model / critic)
+            self.backend = make_backend(cfg, self.layout.model_dir(cfg), self.device)
         # Ranks of one tensor-parallel group (megatron) read the same data; sums of data run over DP.
         self.dp_rank, self.dp_size, self.dp_group = self.backend.dp_rank, self.backend.dp_size, self.backend.dp_group
         self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
@@ -80,15 +83,19 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.cfg
-        start = self.resume()
+        with self.clock.phase("resume"):
+            start = self.resume()
         if self.rank == 0:
             self.metrics = MetricsWriter(self.layout.root, start_step=start)
-            self.connect_engines()
+            with self.clock.phase("wait_engines"):
+                self.connect_engines()
         if start > 0 or cfg.train.int4_qat:
             # engines loaded version 0 from disk (and, for INT4 QAT, not yet on the INT4 grid)
-            self.sync_weights(version=start)
+            with self.clock.phase("first_sync"):
+                self.sync_weights(version=start)
         if self.rank == 0:
             rdzv.publish_version(self.layout.root, start)
+        self.clock.publish(startup_file(self.layout.root, f"trainer_{self.rank}"))
         for step in range(start, cfg.num_rollout):
             t0 = time.monotonic()
             self.step = step
@@ -142,7 +149,7 @@ class Trainer:
         """Rank 0: the weight transport to every engine (a group, or colocated handles), and a watcher
         that catches up a restarted engine."""
         root, n, key = self.layout.root, self.cfg.engine.num_engines, os.environ.get("LOCKSTEP_API_KEY")
-        urls = rdzv.engine_urls(root, n)
+        urls = rdzv.engine_urls(root, n, timeout_s=self.cfg.engine.startup_timeout_s)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = make_sender(self.cfg.weights, clients, self.device, host,
@@ -156,7 +163,11 @@ class Trainer:
         """Colocated engines (engine.colocated): rank 0 has them give their device memory to the trainer
         once the step's rollouts are in, and take it back for the weight update (weights first, so the
         update has somewhere to land; then the KV cache)."""
-        if not self.cfg.engine.colocated or self.rank != 0:
+        if not self.cfg.engine.colocated:
+            return
+        if action == "resume" and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # activations' cached blocks go back to the device before the engine asks
+        if self.rank != 0:
             return
         for c in self.sender.live_clients():
             c.release_memory(tags) if action == "release" else c.resume_memory(tags)
@@ -404,12 +415,28 @@ class Trainer:
             return
         rollout = commit.get("rollout", {})
         record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf}
+        record.update(self.memory_metrics())
         if sync:
             record["weights/bytes"] = sync["bytes"]
             record["weights/buckets"] = sync["buckets"]
             record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
             record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)
+
+    def memory_metrics(self) -> dict:
+        """Peak GPU memory (GiB reserved by the caching allocator) of this trainer rank and of the
+        built-in engines, whose /server_info reports theirs."""
+        if self.device.type != "cuda":
+            return {}
+        out = {"perf/trainer_peak_memory_gib": torch.cuda.max_memory_reserved(self.device) / 2**30}
+        if self.cfg.engine.type == "local" and self.sender is not None:
+            try:
+                peaks = [c.request("GET", "/server_info").get("peak_memory_reserved_gib") for c in self.sender.clients]
+            except EngineError:  # an engine is being restarted: no reading this step
+                peaks = []
+            if peaks and None not in peaks:
+                out["perf/engine_peak_memory_gib"] = max(peaks)
+        return out
 
     def should_save(self, done_steps: int) -> bool:
         k = self.cfg.checkpoint.save_interval
@@ -446,6 +473,7 @@ class Trainer:
 
 
 def main(run_dir: str) -> None:
+    clock = StartupClock()
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
     if cfg.determinism.true_on_policy:
@@ -453,8 +481,9 @@ def main(run_dir: str) -> None:
 
         kernels.set_batch_invariant(True)
     backend = "nccl" if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())) else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+    with clock.phase("process_group"):
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
     try:
-        Trainer(cfg, run_dir).run()
+        Trainer(cfg, run_dir, clock).run()
     finally:
         dist.destroy_process_group()

@@ -112,10 +112,7 @@ class SlurmDriver(Checkpointable):
         try:
             for name, cmd in steps:
                 log.info("%s: %s", name, shlex.join(cmd))
-                procs[name] = self.sup.start_command(f"srun_{name}", cmd)
-                if name == "engines":  # the rollout manager needs the engines' addresses first
-                    for i in range(cfg.engine.num_engines):
-                        rdzv.wait_for(rdzv.engine_file(self.run_dir, i), 900, alive=self.check)
+                procs[name] = self.sup.start_command(f"srun_{name}", cmd)  # they wait for the engines themselves
             self.supervise(procs)
         except ComponentFailed as e:
             self.fail(e)

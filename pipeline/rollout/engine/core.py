@@ -192,12 +192,17 @@ class Engine:
 
             self.spec = SpecDecoder(self, speculative_num_steps)
         # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; dense
-        # models and plain decoding only (graphs.py says why). 0: every step eager.
+        # models and plain decoding only (graphs.py says why). 0: every step eager. Captured on first
+        # use, or all at once by capture_graphs() (the server does so before it serves).
         self.graphs = None
         if cuda_graph_max_bs > 0 and not self.args.is_moe and self.spec is None:
             from pipeline.rollout.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.cache, min(cuda_graph_max_bs, max_running), device)
+
+    def capture_graphs(self) -> None:
+        """Capture every decode-step bucket now, so the first steps of a run pay no capture."""
+        if self.graphs is not None:
             self.graphs.capture_all()
 
     # ---- client side -------------------------------------------------------------------------

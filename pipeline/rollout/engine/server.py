@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from pipeline import faults
+from pipeline.observability.startup import StartupClock
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.weights.receiver import WeightReceiver
 
@@ -151,7 +152,7 @@ class EngineServer:
             return HTTPStatus.OK, {"model_path": self.model_path, "max_running_requests": e.max_running,
                                    "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
                                    "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
-                                   "paused": e.paused, **(e.spec.stats() if e.spec else {}),
+                                   "paused": e.paused, **(e.spec.stats() if e.spec else {}), **device_memory(e.device),
                                    "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
         if path == "/get_weight_version":
             return HTTPStatus.OK, {"weight_version": e.weight_version}
@@ -195,6 +196,14 @@ class EngineServer:
     def _result(res: tuple[bool, str]):
         ok, msg = res
         return (HTTPStatus.OK if ok else HTTPStatus.BAD_REQUEST), {"success": ok, "message": msg}
+
+
+def device_memory(device: torch.device) -> dict:
+    """This process's GPU memory: now and at its peak (the caching allocator's reserved bytes, GiB)."""
+    if device.type != "cuda":
+        return {}
+    return {"memory_reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
+            "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def make_handler(server: EngineServer):
@@ -245,7 +254,8 @@ def make_handler(server: EngineServer):
 
 
 def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | None = None,
-          allow_all_interfaces: bool = False) -> None:
+          allow_all_interfaces: bool = False, on_ready=None) -> None:
+    """Serve until stopped; once listening, publish the address to `ready_file` and call on_ready()."""
     if host in ("0.0.0.0", "::", "") and not allow_all_interfaces:
         raise SystemExit("refusing to listen on all interfaces: give --host the node's cluster address or 127.0.0.1"
                          " (or pass --allow-all-interfaces)")
@@ -272,6 +282,8 @@ def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | N
         from pipeline.launch.rendezvous import publish
 
         publish(ready_file, {"url": url, "host": host, "port": actual_port, "pid": os.getpid()})
+    if on_ready is not None:
+        on_ready()
     try:
         httpd.serve_forever(poll_interval=0.2)
     finally:
@@ -305,30 +317,38 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run from a CUDA graph (default: --max-running-requests; GPU only)")
     p.add_argument("--allow-all-interfaces", action="store_true", help="permit --host 0.0.0.0")
+    p.add_argument("--startup-file", default=None, help="where to publish the start-up phases' seconds (JSON)")
     return p.parse_args(argv)
 
 
 def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
                  mtp_layers: int | None = None, speculative_num_steps: int = 0, cuda_graph_max_bs: int | None = None,
-                 quantization: str | None = None):
-    """The engine of a server. cuda_graph_max_bs: None = max_running on a GPU, 0 = none (on CPUs always
-    none: a graph there would only replay the same eager ops)."""
+                 quantization: str | None = None, clock: StartupClock | None = None):
+    """The engine of a server, its decode graphs captured. cuda_graph_max_bs: None = max_running on a
+    GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). `clock`
+    times the phases (load, engine, graphs)."""
     from pipeline.models.hf_io import load_model
     from pipeline.models.tokenizer import load_tokenizer
 
+    clock = clock or StartupClock()
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tdtype = getattr(torch, dtype)
-    _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers)
-    tokenizer = load_tokenizer(model_path)
+    with clock.phase("load"):
+        _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers)
+        tokenizer = load_tokenizer(model_path)
     graph_bs = 0 if dev.type != "cuda" else (max_running if cuda_graph_max_bs is None else cuda_graph_max_bs)
-    engine = Engine(model, max_running=max_running, context_length=context_length,
-                    eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
-                    speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
-                    quantization=quantization)
+    with clock.phase("engine"):  # flat weights, KV cache
+        engine = Engine(model, max_running=max_running, context_length=context_length,
+                        eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
+                        speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
+                        quantization=quantization)
+    with clock.phase("graphs"):
+        engine.capture_graphs()
     return engine, tokenizer
 
 
 def main(argv=None) -> None:
+    clock = StartupClock()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
@@ -341,9 +361,9 @@ def main(argv=None) -> None:
                                      mtp_layers=args.mtp_num_layers,
                                      speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0,
                                      cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-                                     quantization=args.quantization)
+                                     quantization=args.quantization, clock=clock)
     serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file,
-          args.allow_all_interfaces)
+          args.allow_all_interfaces, on_ready=lambda: clock.publish(args.startup_file))
 
 
 if __name__ == "__main__":

@@ -253,20 +253,31 @@ def mtp_params(a: ModelArgs) -> int:
     return 2 * a.hidden_size * a.hidden_size + 3 * a.hidden_size + dense + experts
 
 
+def _norm_bytes(width: int, rows: int, c: int) -> int:
+    """What an RMSNorm over `rows` rows of `width` per token keeps: the fp32 copy, the normed value and
+    the fp32 rsqrt per row (torch_ref.rms_norm)."""
+    return (NORM_FP32_BYTES + c) * width + NORM_FP32_BYTES * rows
+
+
 def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
     """Bytes per token that decoder layer i keeps for backward (pipeline/models/qwen3.py, default kernels,
-    flash attention's varlen path)."""
+    flash attention's varlen path); tests/test_memory.py compares it with what autograd saves."""
     h, hd = a.hidden_size, a.head_dim
-    qd, kd = a.num_attention_heads * hd, a.num_key_value_heads * hd
-    norm = (NORM_FP32_BYTES + c) * h + c * h  # RMSNorm's saved tensors + its output, read by the projections
-    # q (and k): q_norm (fp32 copy + normed), RoPE's two products (input, rotated), flash attention's
-    # input (the rotated q); plus attention's output (read by o_proj). v: its projection, read by attention.
-    attn = norm + (NORM_FP32_BYTES + 5 * c) * qd + (NORM_FP32_BYTES + 5 * c) * kd + ATTN_LSE_BYTES * a.num_attention_heads
+    H, K = a.num_attention_heads, a.num_key_value_heads
+    qd, kd = H * hd, K * hd
+    norm = _norm_bytes(h, 1, c) + c * h  # + its output, read by the next projections
+    # q and k: their norm, and the RoPE'd tensor flash attention keeps (RoPE's products keep only the
+    # shared cos / sin); q also attention's output (read by o_proj), k also v.
+    attn = norm + _norm_bytes(qd, H, c) + _norm_bytes(kd, K, c) + 2 * c * (qd + kd) + ATTN_LSE_BYTES * H
     if a.is_moe_layer(i):
-        # router softmax; per (token, expert) pair: the gathered input, gate / silu / up / product, and the
-        # expert's output that the routing weight multiplies (SparseMoeBlock.forward)
-        pair = 2 * c * h + 4 * c * a.moe_intermediate_size
-        mlp = norm + ROUTER_PROB_BYTES * a.num_experts + a.num_experts_per_tok * pair
+        k = a.num_experts_per_tok
+        # the router: fp32 softmax, top-k ids (int64), the chosen fp32 weights and their sum (norm_topk)
+        router = ROUTER_PROB_BYTES * a.num_experts + 8 * k + 4 * k + 4
+        # per (token, expert) pair (SparseMoeBlock.forward): the token and slot ids (int64), the routing
+        # weight, the gathered input, gate / silu / up / product, the expert's output and the weighted
+        # one (index_add keeps its source)
+        pair = 16 + c + c * h + 4 * c * a.moe_intermediate_size + 2 * c * h
+        mlp = norm + router + k * pair
     else:
         mlp = norm + 4 * c * a.intermediate_size  # gate (silu's input), silu's output, up, their product
     return attn + mlp
@@ -458,7 +469,9 @@ def check(cfg: RunConfig, placement: Placement, gpu_gib: float, args: ModelArgs 
         toggles = [tg for tg in toggles if tg[0] != key]
     name = os.path.basename(os.path.normpath(cfg.model.path)) if cfg.model.path else cfg.model.init
     where = "one" if cfg.train.num_gpus == 1 else "each"
-    head = f"{name} on {where} {gpu_gib:.0f} GiB GPU needs ~{_g(est.total)} ({est.headline()})"
+    need = est.total / GIB
+    need_s = f"{need:.1f}" if round(need) <= round(gpu_gib) else f"{need:.0f}"  # not "139 GiB needs ~139"
+    head = f"{name} on {where} {gpu_gib:.0f} GiB GPU needs ~{need_s} GiB ({est.headline()})"
     settings = "set " + " and ".join(taken) if taken else ""
     if now <= limit:
         alone = _shrink(cfg, placement, gpu_gib, a)

@@ -28,8 +28,8 @@ class ModelConfig:
     init: Literal["tiny-dense", "tiny-moe", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b", "qwen3-moe-small"] = "tiny-dense"
     """Architecture preset used when `path` is null: tiny-dense / tiny-moe (about 0.1M parameters, for
     CPUs), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row vocabulary, for GPU
-    benchmarks), qwen3-moe-small (Qwen3-30B-A3B's layers, 128 experts top-8, 8 of its 48 layers: 5.6B
-    parameters, sized for one H200)."""
+    benchmarks), qwen3-moe-small (Qwen3-30B-A3B's layers, 128 experts top-8, 9 of its 48 layers: 6.2B
+    parameters, sized for one H200 with engine.colocated and train.recompute_activations)."""
     init_seed: int = 0
     """Seed of the random initialisation when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -196,11 +196,11 @@ _HF_DERIVED = {
 # qwen3-0.5b has Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 KV heads, head dim 64, tied embeddings);
 # qwen3-1.7b and qwen3-4b are Qwen3-1.7B's and Qwen3-4B's shapes (tied embeddings).
 # qwen3-moe-small is Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of
-# 768, top-8 with norm_topk_prob, every layer MoE, untied embedding and LM head) with 8 of its 48
-# layers: the most that train on one H200 with the engine beside it. pipeline/config/memory.py puts
-# colocated + recompute at configs/bench-0.5b.yaml's sizes at ~107 GiB for 8 layers, ~117 for 9,
-# ~126 for 10 (of ~139 GiB; each layer ~9.3 GiB of fp32 weights, gradients and AdamW states); 8 keeps
-# ~20% headroom until those estimates are calibrated against measured peaks. 5.6B parameters.
+# 768, top-8 with norm_topk_prob, every layer MoE, untied embedding and LM head) with 9 of its 48
+# layers (6.2B parameters): the most that train on one H200 beside a colocated engine with 10% to spare.
+# pipeline/config/memory.py at configs/bench-0.5b.yaml's sizes with engine.colocated and
+# train.recompute_activations: 8 layers ~115 GiB, 9 ~124, 10 ~134, 11 ~143 of ~139 (each layer adds
+# ~9.3 GiB of fp32 weights, gradients and AdamW states); without recompute 9 layers need ~152.
 REAL_SIZES = {
     "qwen3-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        head_dim=64, intermediate_size=4864),
@@ -208,7 +208,7 @@ REAL_SIZES = {
                        head_dim=128, intermediate_size=6144),
     "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=9728),
-    "qwen3-moe-small": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+    "qwen3-moe-small": dict(hidden_size=2048, num_hidden_layers=9, num_attention_heads=32, num_key_value_heads=4,
                             head_dim=128, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
                             moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False),
 }

@@ -406,7 +406,8 @@ def _toggles(cfg: RunConfig, placement: Placement) -> list[tuple[str, str, dict]
     """Settings that cost time, not results: (setting, why, the config changes)."""
     out = []
     if placement.shared and not cfg.engine.colocated:
-        why = "engine memory is given back while training" + ("" if cfg.rollout.mode == "sync" else "; needs rollout.mode=sync")
+        why = "engine memory is given back while training"
+        why += "" if cfg.rollout.mode == "sync" else "; needs rollout.mode=sync"
         out.append(("engine.colocated=true", why, {"engine": {"colocated": True}, "rollout": {"mode": "sync"}}))
     if placement.trainer_gpu and not cfg.train.recompute_activations:
         out.append(("train.recompute_activations=true", "", {"train": {"recompute_activations": True}}))

@@ -121,7 +121,8 @@ class TrainerMemory:
 
     @property
     def peak(self) -> float:
-        """At the end of the forward of the last micro-batch (the weight sync comes after, smaller)."""
+        """At the start of a micro-batch's backward, once AdamW's states exist: every saved activation, the
+        logits and their gradient, the gradients accumulated so far (the weight sync comes later, smaller)."""
         return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.fsdp_buffers
                 + self.reference + self.context)
 
@@ -163,6 +164,8 @@ class EngineMemory:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """The busiest GPU's peak and what it is made of."""
+
     trainer: TrainerMemory | None
     """The trainer rank's memory (None: it runs on a CPU)."""
     engine: EngineMemory | None

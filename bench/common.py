@@ -23,7 +23,12 @@ def qwen3_0p5b(vocab: int = 151936, layers: int = 24, moe: bool = False) -> Mode
 
 
 def qwen3_1p7b(vocab: int = 151936) -> ModelArgs:
-    return replace(model_preset("qwen3-1.7b", vocab, None, 0, None), vocab_size=vocab)
+    return real_size("qwen3-1.7b", vocab)
+
+
+def real_size(name: str, vocab: int = 151936) -> ModelArgs:
+    """A real-size preset of model.init (qwen3-0.5b, qwen3-1.7b, qwen3-4b, qwen3-moe-small) with EOS id 0."""
+    return replace(model_preset(name, vocab, None, 0, None), vocab_size=vocab)
 
 
 def single_process_group(tiny: bool, port: int) -> torch.device:

@@ -57,7 +57,7 @@ def cmd_submit(args) -> int:
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, cluster=args.cluster))
     profile = load_profile(cfg.slurm.cluster)
     check_request(cfg, profile)  # refuse impossible requests before touching the run directory
-    cfg, layout = prepare_run(cfg)
+    cfg, layout = prepare_run(cfg, profile)
     if args.dry_run:
         for path in dry_run(cfg, profile, layout.root):
             print(f"# {path}")

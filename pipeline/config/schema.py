@@ -25,9 +25,11 @@ class ModelConfig:
     path: str | None = None
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json). Null: create a
     randomly initialised model from `init` inside the run directory."""
-    init: Literal["tiny-dense", "tiny-moe", "qwen3-0.5b", "qwen3-1.7b"] = "tiny-dense"
+    init: Literal["tiny-dense", "tiny-moe", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b", "qwen3-moe-small"] = "tiny-dense"
     """Architecture preset used when `path` is null: tiny-dense / tiny-moe (about 0.1M parameters, for
-    CPUs), qwen3-0.5b / qwen3-1.7b (real sizes with Qwen's 151936-row vocabulary, for GPU benchmarks)."""
+    CPUs), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row vocabulary, for GPU
+    benchmarks), qwen3-moe-small (Qwen3-30B-A3B's layers, 128 experts top-8, 9 of its 48 layers: 6.2B
+    parameters, sized for one H200 with engine.colocated and train.recompute_activations)."""
     init_seed: int = 0
     """Seed of the random initialisation when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -295,6 +297,14 @@ class TrainConfig:
     """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
     recompute_activations: bool = False
     """Activation checkpointing of every decoder layer (Miles: --recompute-granularity full)."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU in GiB (2^30 bytes; an H200 has ~139) that the pre-flight check plans against.
+    null: `lockstep run` reads it from the GPU it sees, `lockstep submit` from the cluster profile's
+    gpu_memory_gib; without either the check is skipped (with a warning)."""
+    check_memory: bool = True
+    """Refuse, before anything starts, a GPU run whose estimated per-GPU peak (trainer and engines,
+    pipeline/config/memory.py) exceeds the GPU's memory, naming the settings that make it fit. false:
+    run anyway (the estimate is not yet calibrated for every setting)."""
     compile: bool = False
     """torch.compile each decoder layer's forward (FSDP2 backend, dense models, default mode): inductor
     fuses the norms, RoPE, SwiGLU and residual adds, forward and backward; attention stays eager. The
@@ -315,6 +325,7 @@ class TrainConfig:
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            gpu_memory_gib=self.gpu_memory_gib,
         )
         parallel = (self.tensor_model_parallel_size, self.expert_model_parallel_size,
                     self.pipeline_model_parallel_size, self.sequence_parallel)

@@ -1,8 +1,8 @@
 """Turn a loaded config into a ready run directory (shared by `lockstep run` and `lockstep submit`).
 
 Resolves paths to absolute ones (components may start in another working directory, on another
-node), checks inputs before anything is launched, creates the starting model when none is given,
-and writes the resolved config every component reads.
+node), checks inputs before anything is launched (files, and whether the run fits the GPUs' memory),
+creates the starting model when none is given, and writes the resolved config every component reads.
 """
 
 from __future__ import annotations
@@ -60,6 +60,51 @@ def check_inputs(cfg: RunConfig) -> None:
             raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} is empty")
 
 
+def check_memory(cfg: RunConfig, profile=None) -> None:
+    """Refuse a GPU run whose estimated per-GPU peak exceeds the GPU's memory (pipeline/config/memory.py).
+    `profile`: the cluster profile of a `lockstep submit` (GPUs there, not here); None for `lockstep run`,
+    which looks at the GPUs this process sees."""
+    from pipeline.config import memory
+
+    if not cfg.train.check_memory:
+        return
+    if profile is None:
+        placement = memory.local_placement(cfg, gpu_visible=_gpu_visible(cfg))
+    else:
+        placement = memory.slurm_placement(cfg, gpus=profile.gpu_vendor != "none" and profile.gpus_per_node > 0)
+    if not (placement.trainer_gpu or placement.engine_gpu):
+        return  # a CPU run
+    gib = cfg.train.gpu_memory_gib
+    if gib is None:
+        gib = profile.gpu_memory_gib if profile is not None else _detected_gpu_gib()
+    if gib is None:
+        where = f"gpu_memory_gib in env/{profile.name}.yaml" if profile is not None else "a visible GPU"
+        log.warning("lockstep: GPU memory check skipped: the GPUs' memory is unknown (set train.gpu_memory_gib,"
+                    " or %s)", where)
+        return
+    est = memory.check(cfg, placement, gib)
+    log.info("memory estimate on a %.0f GiB GPU: %s", gib, est.line())
+
+
+def _gpu_visible(cfg: RunConfig) -> bool:
+    """Whether `auto` devices would pick a GPU here (torch is imported only when a device is `auto`)."""
+    if "auto" not in (cfg.train.device, getattr(cfg.engine, "device", "cuda")):
+        return False  # only explicit devices: local_placement does not ask
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _detected_gpu_gib() -> float | None:
+    """GPU 0's memory (where engines and trainer rank 0 meet). get_device_properties reads the device's
+    attributes without creating a CUDA context in this (the launcher's) process."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / (1 << 30)
+
+
 def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
     """Write a randomly initialised HF checkpoint + tokenizer to run_dir/model_init (once)."""
     if os.path.exists(os.path.join(layout.model_init, "config.json")):
@@ -95,9 +140,11 @@ def run_token(layout: RunLayout) -> str:
         return f.read().strip()
 
 
-def prepare_run(cfg: RunConfig) -> tuple[RunConfig, RunLayout]:
+def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunLayout]:
+    """`profile`: the cluster profile when the run goes to Slurm (its GPUs are checked, not this machine's)."""
     cfg = resolve_paths(cfg)
     check_inputs(cfg)
+    check_memory(cfg, profile)
     layout = RunLayout(cfg.run_dir)
     try:
         for d in (layout.root, layout.logs, layout.buffer):

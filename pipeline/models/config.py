@@ -193,12 +193,24 @@ _HF_DERIVED = {
 
 # Sizes of real Qwen3-class models for `model.init` (randomly initialised; the vocabulary is padded to
 # Qwen's 151936 rows as real checkpoints are, so sampling and logprobs cost what they cost there).
-# qwen3-0.5b has Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 KV heads, head dim 64, tied embeddings).
+# qwen3-0.5b has Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 KV heads, head dim 64, tied embeddings);
+# qwen3-1.7b and qwen3-4b are Qwen3-1.7B's and Qwen3-4B's shapes (tied embeddings).
+# qwen3-moe-small is Qwen3-30B-A3B's layer (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of
+# 768, top-8 with norm_topk_prob, every layer MoE, untied embedding and LM head) with 9 of its 48
+# layers (6.2B parameters): the most that train on one H200 beside a colocated engine with 10% to spare.
+# pipeline/config/memory.py at configs/bench-0.5b.yaml's sizes with engine.colocated and
+# train.recompute_activations: 8 layers ~115 GiB, 9 ~124, 10 ~134, 11 ~143 of ~139 (each layer adds
+# ~9.3 GiB of fp32 weights, gradients and AdamW states); without recompute 9 layers need ~152.
 REAL_SIZES = {
     "qwen3-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        head_dim=64, intermediate_size=4864),
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=6144),
+    "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=9728),
+    "qwen3-moe-small": dict(hidden_size=2048, num_hidden_layers=9, num_attention_heads=32, num_key_value_heads=4,
+                            head_dim=128, intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False),
 }
 QWEN_VOCAB = 151936
 PRESETS = ("tiny-dense", "tiny-moe", *REAL_SIZES)
@@ -211,8 +223,9 @@ def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, p
     tokenizer's, `mtp_layers` the MTP draft layers."""
     special = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, mtp_num_hidden_layers=mtp_layers)
     if name in REAL_SIZES:
+        shape = {"tie_word_embeddings": True, **REAL_SIZES[name]}
         return ModelArgs(vocab_size=max(vocab_size, QWEN_VOCAB), max_position_embeddings=4096, rope_theta=1e6,
-                         tie_word_embeddings=True, **REAL_SIZES[name], **special)
+                         **shape, **special)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,

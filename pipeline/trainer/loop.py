@@ -103,6 +103,10 @@ class Trainer:
             self.engine_memory("release")
             t1 = time.monotonic()
             train_metrics = self.train_on(batch)
+            if cfg.engine.colocated and self.device.type == "cuda":
+                # The engines wake beside us: the allocator's cached activation blocks go back to the
+                # device, or the GPU would hold the training peak and the engines at once.
+                torch.cuda.empty_cache()
             t2 = time.monotonic()
             self.engine_memory("resume", ["weights"])
             sync = self.sync_weights(version=step + 1)

@@ -101,8 +101,9 @@ def submit_matrix(matrix: MatrixConfig, dry_run: bool = False) -> dict:
     os.makedirs(matrix.out_dir, exist_ok=True)
     prepared = []
     for e in entries:
-        check_request(e.cfg, load_profile(e.cfg.slurm.cluster))
-        cfg, layout = prepare_run(e.cfg)
+        profile = load_profile(e.cfg.slurm.cluster)
+        check_request(e.cfg, profile)
+        cfg, layout = prepare_run(e.cfg, profile)
         prepared.append(Entry(e.name, cfg))
     arrays: dict[tuple, list[Entry]] = {}
     series = []

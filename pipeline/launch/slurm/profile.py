@@ -32,6 +32,9 @@ class ClusterProfile:
     """GPU vendor; decides NCCL vs RCCL naming and the container flags."""
     gpus_per_node: int = 8
     """GPUs per node; a request for more is refused before submission."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU in GiB (an H200: ~139): `lockstep submit` refuses a run whose estimated per-GPU
+    peak exceeds it (train.gpu_memory_gib overrides it). null: the memory check is skipped."""
     partition: str | None = None
     """Default partition."""
     modules: list[str] = field(default_factory=list)

@@ -167,11 +167,7 @@ class Trainer:
         """Colocated engines (engine.colocated): rank 0 has them give their device memory to the trainer
         once the step's rollouts are in, and take it back for the weight update (weights first, so the
         update has somewhere to land; then the KV cache)."""
-        if not self.cfg.engine.colocated:
-            return
-        if action == "resume" and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # activations' cached blocks go back to the device before the engine asks
-        if self.rank != 0:
+        if not self.cfg.engine.colocated or self.rank != 0:
             return
         for c in self.sender.live_clients():
             c.release_memory(tags) if action == "release" else c.resume_memory(tags)

@@ -45,7 +45,8 @@ def _dequant_kernel(q_ptr, s_ptr, w_ptr, M, N, stride_q, stride_w, n_col_blocks,
 
 def quantize_blockwise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     assert w.dim() == 2, f"blockwise FP8 needs a 2-D weight, got shape {tuple(w.shape)}"
-    w = w.contiguous()
+    if w.stride(-1) != 1:  # rows may sit apart (a view of a larger tensor); columns must be adjacent
+        w = w.contiguous()
     M, N = w.shape
     bm, bn = num_blocks(M, block), num_blocks(N, block)
     q = torch.empty((M, N), dtype=FP8, device=w.device)
@@ -56,7 +57,8 @@ def quantize_blockwise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
 
 def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                          block: int = 128) -> torch.Tensor:
-    q = q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     M, N = q.shape
     w = torch.empty((M, N), dtype=dtype, device=q.device)
     bm, bn = num_blocks(M, block), num_blocks(N, block)

@@ -13,8 +13,8 @@ before it meets a stride, and the kernel moves its base pointer there once:
     a_ptrs = a_ptr + offset64(start_m, stride_am) + rows[:, None] * stride_am + ...   # a tile
 
 Offsets inside a program stay int32: a tile's rows (at most 128) times a stride, a row's columns,
-a slot's positions. They are bounded by the size of one tile, row or slot, far below 2^31 at every
-size Lockstep runs. So the cost is one 64-bit multiply per program, not per element, and the
+a slot's positions, a sequence's heads. They are bounded by the size of one tile, row, slot or
+sequence, far below 2^31 at every size Lockstep runs. So the cost is one 64-bit multiply per program, not per element, and the
 kernels read the same elements in the same order as before: their bits do not change.
 """
 

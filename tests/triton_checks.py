@@ -4,8 +4,9 @@
   python tests/triton_checks.py                              (a GPU; bench/gpu_suite.sh runs it)
 
 Each check compares with a torch reference over odd shapes (per-dtype tolerances, relative Frobenius
-error vs an fp64 reference) and tests batch invariance bitwise. Prints one JSON line per check and
-exits 1 if any fails.
+error vs an fp64 reference) and tests batch invariance bitwise. The `*_2g` checks run each kernel
+where element offsets pass 2^31 (real [16384, 151936] logits and the like on a GPU; rows of a lazily
+committed buffer on the CPU, see `far`). Prints one JSON line per check and exits 1 if any fails.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from lockstep_kernels.gpu.offsets import offset64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -245,9 +250,297 @@ def check_varlen_attention(small):
     return out
 
 
+# ---- Element offsets past 2^31 (issue 20, lockstep_kernels/gpu/offsets.py) ------------------------
+# A kernel that forms `row * row_stride` in int32 reads and writes the wrong place once a row starts
+# past 2^31 elements. On a GPU the *_2g checks build tensors that large ([16384, 151936] logits, a
+# 72-slot KV cache of 32768 positions; 5-15 GB at a time, freed after each check) and compare the rows
+# on both sides of the boundary and the last row with torch. On the CPU (--small) they take views
+# whose first dimension steps through one buffer (`far`): rows or slots past 2^31 elements, of which
+# only the written pages are ever backed by memory.
+ROW_STRIDE = 2**30 + 2**20  # one program per row or slot: row 2 starts at 2^31 + 2^21
+TILE_STRIDE = 2**24 + 2**16  # tiles of up to 128 rows: rows 0-127 end below 2^31, row 128 starts past it
+BF16 = torch.bfloat16
+
+
+def past_2g(stride: int) -> int:
+    """The first index whose offset index * stride is 2^31 or more."""
+    return -(-2**31 // stride)
+
+
+def boundary(n: int, stride: int) -> list[int]:
+    """Indices to compare: the first, both sides of the 2^31 boundary, the last."""
+    return sorted({0, past_2g(stride) - 1, past_2g(stride), n - 1})
+
+
+def far(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """x (contiguous) copied into a view whose first dimension steps `stride` elements through one
+    larger buffer: its last rows start past 2^31 elements. On the CPU torch.empty leaves the buffer's
+    pages uncommitted until written, so the view costs only the memory of its own rows."""
+    assert x.is_contiguous() and stride >= x[0].numel() and (x.shape[0] - 1) * stride >= 2**31, (x.shape, stride)
+    big = torch.empty((x.shape[0] - 1) * stride + x[0].numel(), dtype=x.dtype, device=x.device)
+    view = big.as_strided(x.shape, (stride, *x[0].stride()))
+    view.copy_(x)
+    return view
+
+
+def randn_dev(*shape, dtype=BF16, seed=0):
+    """randn drawn on DEV itself (`randn` draws on the CPU: minutes for 2^31 elements)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEV, dtype=dtype)
+
+
+def exact_e4m3(rows, cols, seed=0):
+    """Integers in [-8, 8] with 448 opening every 128-column group: FP8 scales of exactly 1 and every
+    value exact in e4m3 (the CPU interpreter mis-rounds e4m3 casts that carry, gpu/fp8_matmul.py)."""
+    x = torch.randint(-8, 9, (rows, cols), generator=torch.Generator().manual_seed(seed)).to(BF16)
+    x[:, ::128] = 448
+    return x.to(DEV)
+
+
+@triton.jit
+def _offset_probe_kernel(index_ptr, wide_ptr, narrow_ptr, stride):
+    """wide = offset64(index, stride); narrow = index * stride in the index's int32 (the control)."""
+    index = tl.load(index_ptr)
+    tl.store(wide_ptr, offset64(index, stride))
+    tl.store(narrow_ptr, (index * stride).to(tl.int64))
+
+
+def check_offsets(small):
+    """offset64 is the exact product where int32 arithmetic wraps: the last rows of a [16384, 151936]
+    LM-head output, the last slot of a 256-slot KV cache, the far rows of the CPU checks. The same
+    product in int32 is right below 2^31 and wrong past it (reported as narrow - exact)."""
+    out = {}
+    for index, stride in [(16383, 151936), (14135, 151936), (14134, 151936), (255, 8 * 32768 * 128),
+                          (128, TILE_STRIDE), (2, ROW_STRIDE), (0, 151936), (3, 2**31 + 5)]:
+        wide, narrow = torch.zeros(1, dtype=torch.int64, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV)
+        _offset_probe_kernel[(1,)](torch.tensor([index], dtype=torch.int32, device=DEV), wide, narrow, stride)
+        exact = index * stride
+        assert wide.item() == exact, ("offset64", index, stride, wide.item(), exact)
+        fits = exact < 2**31 or stride >= 2**31  # Triton passes a stride of 2^31 or more as int64
+        assert (narrow.item() == exact) == fits, ("int32 control", index, stride, narrow.item(), exact)
+        out[f"{index}x{stride}"] = narrow.item() - exact
+    return out
+
+
+def check_matmul_2g(small):
+    """bi_linear where the output, the weight or the input has more than 2^31 elements: rows (columns
+    for the weight) around the boundary and the last against an fp32 product, and rows bitwise against
+    the same rows computed alone. CPU: input and weight rows 128-129 start past 2^31."""
+    from lockstep_kernels.gpu.matmul import bi_linear
+
+    if small:
+        x = far(randn(130, 48, dtype=BF16, seed=1), TILE_STRIDE)
+        w = far(randn(130, 48, dtype=BF16, seed=2), TILE_STRIDE)
+        err = rel(bi_linear(x, w), F.linear(x.double(), w.double()))
+        assert err < TOL[BF16], err
+        return {"far-rows": err}
+
+    def case(m, k, n, big):
+        x, w = randn_dev(m, k, seed=1), randn_dev(n, k, seed=2)
+        y = bi_linear(x, w)
+        if big == "weight":
+            cols = boundary(n, k)
+            return rel(y[:, cols], F.linear(x.float(), w[cols].float()))
+        rows = boundary(m, n if big == "output" else k)
+        assert torch.equal(bi_linear(x[rows], w), y[rows]), ("rows computed alone differ", big)
+        return rel(y[rows], F.linear(x[rows].float(), w.float()))
+
+    out = {}
+    for big, mkn in {"output": (16384, 1024, 151936), "weight": (64, 16384, 151936), "input": (139264, 16384, 128)}.items():
+        out[big] = case(*mkn, big)
+        assert out[big] < TOL[BF16], (big, out[big])
+    return out
+
+
+def check_rms_norm_2g(small):
+    """bi_rms_norm on rows past 2^31 elements (GPU: 266240 tokens x 8192): the rows around the boundary
+    and the last against fp64 torch, and bitwise against the same rows alone."""
+    from lockstep_kernels.gpu.rms_norm import bi_rms_norm
+    from lockstep_kernels.torch_ref import rms_norm
+
+    if small:
+        x, rows = far(randn(3, 60, dtype=BF16, seed=5) * 3, ROW_STRIDE), [0, 1, 2]
+    else:
+        x = randn_dev(past_2g(8192) + 4096, 8192, seed=5)
+        rows = boundary(x.shape[0], 8192)
+    w = randn(x.shape[1], dtype=BF16, seed=6)
+    y = bi_rms_norm(x, w, 1e-6)
+    err = rel(y[rows], rms_norm(x[rows].double(), w.double(), 1e-6))
+    assert err < TOL[BF16], err
+    assert torch.equal(bi_rms_norm(x[rows], w, 1e-6), y[rows]), "rows computed alone differ"
+    return {"rows": err}
+
+
+def check_log_softmax_2g(small):
+    """bi_log_softmax and bi_token_logprob (forward and backward) on [16384, 151936] bf16 logits (CPU:
+    row 2 past 2^31): rows around the boundary and the last against fp64 torch, and bitwise against the
+    same rows computed alone."""
+    from lockstep_kernels.gpu.log_softmax import bi_log_softmax, bi_token_logprob
+
+    if small:
+        x, rows = far(randn(3, 300, dtype=BF16, seed=4) * 4, ROW_STRIDE), [0, 1, 2]
+    else:
+        x, rows = randn_dev(16384, 151936, seed=4).mul_(4), boundary(16384, 151936)
+    m, v = x.shape
+    temp = 0.7
+    t = torch.arange(m, device=x.device) * 7919 % v
+    g = torch.arange(m, device=x.device, dtype=torch.float32) / m + 0.5
+    x_rows = x[rows]
+    out = {}
+    y = bi_log_softmax(x)
+    out["log_softmax"] = rel(y[rows], torch.log_softmax(x_rows.double(), -1))
+    assert out["log_softmax"] < 1e-5 and torch.equal(bi_log_softmax(x_rows), y[rows]), out
+    del y
+    ref = torch.log_softmax(x_rows.double() * (1 / temp), -1)
+    x.requires_grad_()
+    lp = bi_token_logprob(x, t, temp)
+    out["token_logprob"] = rel(lp.detach()[rows], ref.gather(-1, t[rows, None]).squeeze(-1))
+    (dx,) = torch.autograd.grad(lp, x, g)
+    onehot = F.one_hot(t[rows], v).double()
+    out["token_logprob_grad"] = rel(dx[rows], (onehot - ref.exp()) * (g[rows, None].double() / temp))
+    assert out["token_logprob"] < 1e-5 and out["token_logprob_grad"] < TOL[BF16], out
+    alone = x_rows.clone().requires_grad_()
+    lp_alone = bi_token_logprob(alone, t[rows], temp)
+    assert torch.equal(lp_alone, lp[rows]), "token logprobs of rows computed alone differ"
+    assert torch.equal(torch.autograd.grad(lp_alone, alone, g[rows])[0], dx[rows]), "gradients of rows alone differ"
+    return out
+
+
+def kv_cache_2g(small):
+    """(q, k, v, slots): a KV cache [S, G, T, D] whose later slots start past 2^31 elements and one
+    query per slot (CPU: 3 slots, queries and keys far; GPU: 72 slots x 8 kv heads x 32768 x 128,
+    4.8 GB each for keys and values, 32 query heads), with the slots to compare."""
+    if small:
+        b, h, g, t, d = 3, 4, 2, 40, 16
+        q = far(randn(b, h, d, dtype=BF16, seed=1), ROW_STRIDE)
+        k, v = (far(randn(b, g, t, d, dtype=BF16, seed=s), ROW_STRIDE) for s in (2, 3))
+        return q, k, v, [0, 1, 2]
+    b, h, g, t, d = 72, 32, 8, 32768, 128
+    return randn_dev(b, h, d, seed=1), randn_dev(b, g, t, d, seed=2), randn_dev(b, g, t, d, seed=3), boundary(b, g * t * d)
+
+
+def check_attention_2g(small):
+    """bi_attention (batch-invariant decode reads the cache through it) with slots past 2^31 elements:
+    slots around the boundary and the last against fp64 SDPA, and bitwise against those sequences alone."""
+    from lockstep_kernels.gpu.attention import bi_attention, sdpa_reference
+
+    q, k, v, slots = kv_cache_2g(small)
+    b, t = k.shape[0], k.shape[2]
+    q = q[:, :, None]
+    qpos = (t - 1 - torch.arange(b, device=k.device) * 7919 % (t // 2))[:, None]
+    o = bi_attention(q, k, v, qpos)
+    err = rel(o[slots], sdpa_reference(q[slots].double(), k[slots].double(), v[slots].double(), qpos[slots]))
+    assert err < TOL[BF16] * 2, err
+    assert torch.equal(bi_attention(q[slots], k[slots], v[slots], qpos[slots]), o[slots]), "sequences alone differ"
+    return {"slots": err}
+
+
+def check_decode_attention_2g(small):
+    """The split-key decode kernel with cache slots past 2^31 elements: slots around the boundary and
+    the last against fp64 SDPA."""
+    from lockstep_kernels.gpu.decode_attention import decode_attention_fwd
+
+    q, k, v, slots = kv_cache_2g(small)
+    b, h, t = q.shape[0], q.shape[1], k.shape[2]
+    lens = t - torch.arange(b, device=k.device) * 7919 % (t // 2)
+    o = decode_attention_fwd(q, k, v, lens)
+    mask = (torch.arange(t, device=k.device)[None, :] < lens[slots, None])[:, None, None]
+    ref = F.scaled_dot_product_attention(q[slots].double()[:, :, None], k[slots].double(), v[slots].double(),
+                                         attn_mask=mask, enable_gqa=h != k.shape[1])[:, :, 0]
+    err = rel(o[slots], ref)
+    assert err < TOL[BF16] * 2, err
+    return {"slots": err}
+
+
+def check_sampling_2g(small):
+    """The fused sampler on [16384, 151936] bf16 logits (CPU: row 2 past 2^31): the tokens of the rows
+    around the boundary and the last equal the torch path's."""
+    from lockstep_kernels.gpu.sampling import gumbel_argmax
+    from pipeline.models.logprobs import GREEDY_EPS
+    from pipeline.rollout.engine import sampling
+
+    if small:
+        logits, rows = far(randn(3, 3000, dtype=BF16, seed=4) * 3, ROW_STRIDE), [0, 1, 2]
+    else:
+        logits, rows = randn_dev(16384, 151936, seed=4).mul_(3), boundary(16384, 151936)
+    b, v = logits.shape
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3], device=logits.device).repeat(b // 4 + 1)[:b]
+    seeds = torch.arange(b, device=logits.device) * 7919 + 12345
+    pos = torch.arange(b, device=logits.device) * 3 + 1
+    got = gumbel_argmax(logits, temp, seeds, pos, GREEDY_EPS)[rows]
+    scaled = sampling.scaled_logits(logits[rows], temp[rows]).double()
+    noisy = scaled - torch.log(-torch.log(sampling.hash_uniform(seeds[rows], pos[rows], v)))
+    want = torch.where((temp[rows] < GREEDY_EPS)[:, None], scaled, noisy).argmax(-1)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    return {"rows": 0.0}
+
+
+def check_fp8_2g(small):
+    """Blockwise FP8 quantisation and dequantisation of a [151936, 16384] weight (GPU) / of 130 rows
+    whose second 128-row block starts past 2^31 (CPU): the blocks around the boundary and the last,
+    bitwise against the torch reference."""
+    from lockstep_kernels import fp8
+    from lockstep_kernels.gpu.fp8 import dequantize_blockwise, quantize_blockwise
+
+    if small:
+        w, spans = far(exact_e4m3(130, 128, seed=7), TILE_STRIDE), [(0, 130)]
+    else:
+        n, r = 151936, past_2g(16384)  # 131072: a block boundary
+        w, spans = randn_dev(n, 16384, seed=7).mul_(0.05), [(0, 128), (r - 128, r + 128), (n - 128, n)]
+    q, s = quantize_blockwise(w)
+    back = dequantize_blockwise(far(q, TILE_STRIDE) if small else q, s, BF16)
+    for lo, hi in spans:
+        rq, rs = fp8.quantize_ref(w[lo:hi])
+        assert torch.equal(q[lo:hi].view(torch.uint8), rq.view(torch.uint8)), ("quantised values", lo, hi)
+        assert torch.equal(s[lo // 128: -(-hi // 128)], rs), ("scales", lo, hi)
+        assert torch.equal(back[lo:hi], fp8.dequantize_ref(rq, rs, BF16)), ("dequantised", lo, hi)
+    return {f"{lo}-{hi}": 0.0 for lo, hi in spans}
+
+
+def check_fp8_matmul_2g(small):
+    """fp8_linear (W8A8) where the output, the weight or the activations have more than 2^31 elements
+    (GPU): rows (column blocks for the weight) around the boundary and the last against the torch
+    reference. CPU: weight rows 128-129 past 2^31, and quantize_act on its own with row 2 past 2^31 (the
+    interpreter's fp8_linear quantises activations with the torch reference)."""
+    from lockstep_kernels import fp8
+    from lockstep_kernels.gpu.fp8_matmul import fp8_linear, quantize_act
+
+    if small:
+        x = randn(5, 128, dtype=BF16, seed=1)
+        q_w, s_w = fp8.quantize_ref(randn(130, 128, dtype=BF16, seed=2) * 0.05)
+        err = rel(fp8_linear(x, far(q_w, TILE_STRIDE), s_w), fp8.linear_ref(x, q_w, s_w))
+        assert err < TOL[BF16] * 2, err
+        xa = exact_e4m3(3, 256, seed=3)
+        qa, sa = quantize_act(far(xa, ROW_STRIDE))
+        rqa, rsa = fp8.quantize_act_ref(xa)
+        assert torch.equal(sa, rsa) and torch.equal(qa.view(torch.uint8), rqa.view(torch.uint8)), "act quant"
+        return {"weight-rows": err}
+
+    def case(m, k, n, big):
+        x = randn_dev(m, k, seed=1)
+        q_w, s_w = fp8.quantize(randn_dev(n, k, seed=2).mul_(0.05))
+        y = fp8_linear(x, q_w, s_w)
+        if big == "weight":
+            r = past_2g(k)
+            return max(rel(y[:, lo:hi], fp8.linear_ref(x, q_w[lo:hi], s_w[lo // 128: hi // 128]))
+                       for lo, hi in ((0, 128), (r - 128, r + 128), (n - 128, n)))
+        rows = boundary(m, n if big == "output" else k)
+        return rel(y[rows], fp8.linear_ref(x[rows], q_w, s_w))
+
+    out = {}
+    for big, mkn in {"output": (16384, 1024, 151936), "weight": (64, 16384, 151936), "input": (139264, 16384, 128)}.items():
+        out[big] = case(*mkn, big)
+        assert out[big] < TOL[BF16] * 2, (big, out[big])
+    return out
+
+
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention,
-          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention}
+          "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
+          "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,
+          "log_softmax_2g": check_log_softmax_2g, "attention_2g": check_attention_2g,
+          "decode_attention_2g": check_decode_attention_2g, "sampling_2g": check_sampling_2g, "fp8_2g": check_fp8_2g,
+          "fp8_matmul_2g": check_fp8_matmul_2g}
 
 
 def main() -> int:
@@ -263,6 +556,8 @@ def main() -> int:
             failed += 1
             result = {"check": name, "ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
         print(json.dumps(result), flush=True)
+        if DEV == "cuda":
+            torch.cuda.empty_cache()  # the *_2g checks hold 5-15 GB while they run; give it back between checks
     return 1 if failed else 0
 
 

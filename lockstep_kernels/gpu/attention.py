@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lockstep_kernels.gpu.offsets import offset64
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -86,7 +88,12 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
     if tile * BLOCK_M < qstart + qlen:
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + i[:, None] * sq_q + offs_d[None, :], mask=rows[:, None], other=0.0)
+        # This sequence's and head's start in int64 (a cache slot can start past 2^31 elements, offsets.py)
+        q_head = q_ptr + offset64(b, sq_b) + offset64(h, sq_h)
+        k_head = k_ptr + offset64(b, sk_b) + offset64(g, sk_g)
+        v_head = v_ptr + offset64(b, sv_b) + offset64(g, sv_g)
+        o_head = o_ptr + offset64(b, so_b) + offset64(h, so_h)
+        q = tl.load(q_head + i[:, None] * sq_q + offs_d[None, :], mask=rows[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -97,13 +104,11 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
         for start in range(0, kv_end, BLOCK_N):
             cols = start + offs_n
             kmask = cols < T
-            k, v = load_kv_block(k_ptr + b * sk_b + g * sk_g, v_ptr + b * sv_b + g * sv_g, cols, kmask, offs_d,
-                                 sk_t, sv_t, UPCAST)
+            k, v = load_kv_block(k_head, v_head, cols, kmask, offs_d, sk_t, sv_t, UPCAST)
             m_i, l_i, acc = online_softmax_step(q, k, v, (cols[None, :] <= qpos[:, None]) & kmask[None, :],
                                                 m_i, l_i, acc, scale, IEEE)
         out = acc / l_i[:, None]
-        tl.store(o_ptr + b * so_b + h * so_h + i[:, None] * so_q + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=rows[:, None])
+        tl.store(o_head + i[:, None] * so_q + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
 
 
 def query_spans(qpos_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from lockstep_kernels.gpu.attention import INTERPRET, load_kv_block, online_softmax_step
+from lockstep_kernels.gpu.offsets import offset64
 
 
 @triton.jit
@@ -42,7 +43,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
     hmask = rows < GROUP
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    # The sequence's (and its cache slot's) start in int64: a slot can start past 2^31 elements (offsets.py)
+    k_head = k_ptr + offset64(b, sk_s) + offset64(g, sk_g)
+    v_head = v_ptr + offset64(b, sv_s) + offset64(g, sv_g)
+    q = tl.load(q_ptr + offset64(b, sq_b) + heads[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
@@ -51,14 +55,14 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         kmask = cols < hi
-        k, v = load_kv_block(k_ptr + b * sk_s + g * sk_g, v_ptr + b * sv_s + g * sv_g, cols, kmask, offs_d,
-                             sk_t, sv_t, UPCAST)
+        k, v = load_kv_block(k_head, v_head, cols, kmask, offs_d, sk_t, sv_t, UPCAST)
         m_i, l_i, acc = online_softmax_step(q, k, v, kmask[None, :], m_i, l_i, acc, scale, IEEE)
     empty = hi <= lo  # a split past the sequence's end: weight 0 in the combine
     out = tl.where(empty, 0.0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
-    tl.store(o_ptr + b * so_b + heads[:, None] * so_h + p * so_p + offs_d[None, :], out, mask=hmask[:, None])
-    tl.store(lse_ptr + b * sl_b + heads * sl_h + p, lse, mask=hmask)
+    tl.store(o_ptr + offset64(b, so_b) + offset64(p, so_p) + heads[:, None] * so_h + offs_d[None, :], out,
+             mask=hmask[:, None])
+    tl.store(lse_ptr + offset64(b, sl_b) + p + heads * sl_h, lse, mask=hmask)
 
 
 @triton.jit
@@ -71,13 +75,13 @@ def _decode_combine_kernel(o_part_ptr, lse_ptr, out_ptr, so_bh, so_p, sout_b, so
     ps = tl.arange(0, P_PAD)
     offs_d = tl.arange(0, D)
     pmask = ps < P
-    lse = tl.load(lse_ptr + bh * P + ps, mask=pmask, other=float("-inf"))
+    lse = tl.load(lse_ptr + offset64(bh, P) + ps, mask=pmask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp(lse - m)
     w = w / tl.sum(w, axis=0)
-    o = tl.load(o_part_ptr + bh * so_bh + ps[:, None] * so_p + offs_d[None, :], mask=pmask[:, None], other=0.0)
+    o = tl.load(o_part_ptr + offset64(bh, so_bh) + ps[:, None] * so_p + offs_d[None, :], mask=pmask[:, None], other=0.0)
     out = tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + b * sout_b + h * sout_h + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + offset64(b, sout_b) + offset64(h, sout_h) + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> int:

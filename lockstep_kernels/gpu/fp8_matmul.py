@@ -17,6 +17,7 @@ import triton.language as tl
 
 from lockstep_kernels.fp8 import BLOCK, E4M3_MAX, FP8, num_blocks, quantize_act_ref
 from lockstep_kernels.gpu.attention import INTERPRET
+from lockstep_kernels.gpu.offsets import offset64
 
 
 @triton.jit
@@ -25,12 +26,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, sx_m, sq_m, ss_m, MAX: tl.constexp
     kb = tl.program_id(1)
     cols = kb * BLOCK + tl.arange(0, BLOCK)
     mask = cols < K
-    x = tl.load(x_ptr + m * sx_m + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offset64(m, sx_m) + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, MAX), 1.0)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAX), MAX)
-    tl.store(q_ptr + m * sq_m + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(s_ptr + m * ss_m + kb, scale)
+    tl.store(q_ptr + offset64(m, sq_m) + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(s_ptr + offset64(m, ss_m) + kb, scale)
 
 
 @triton.jit
@@ -40,23 +41,31 @@ def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K, sa_m, s
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    start_m = pid_m * BLOCK_M
+    start_n = pid_n * BLOCK_N
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
+    rm = start_m + lm
+    rn = start_n + ln
     rk = tl.arange(0, BLOCK_K)
     mmask, nmask = rm < M, rn < N
+    # The tile's first token and output row in int64 (offsets.py); offsets within the tile stay int32.
+    a_tile = a_ptr + offset64(start_m, sa_m) + lm[:, None] * sa_m
+    b_tile = b_ptr + offset64(start_n, sb_n) + ln[:, None] * sb_n
+    sa_tile = sa_ptr + offset64(start_m, ssa_m) + lm * ssa_m
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     nk = tl.cdiv(K, BLOCK_K)
     per = tl.cdiv(nk, SPLIT_K)
     for kb in range(pid_k * per, tl.minimum(pid_k * per + per, nk)):
         ks = kb * BLOCK_K + rk
         kmask = ks < K
-        a = tl.load(a_ptr + rm[:, None] * sa_m + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * sb_n + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        s_a = tl.load(sa_ptr + rm * ssa_m + kb, mask=mmask, other=0.0)
+        a = tl.load(a_tile + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_tile + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        s_a = tl.load(sa_tile + kb, mask=mmask, other=0.0)
         s_b = tl.load(sb_ptr + (rn // BLOCK_K) * ssb_n + kb, mask=nmask, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * s_a[:, None] * s_b[None, :]
     mask = mmask[:, None] & nmask[None, :]
-    ptrs = c_ptr + rm[:, None] * sc_m + rn[None, :]
+    ptrs = c_ptr + offset64(start_m, sc_m) + lm[:, None] * sc_m + rn[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep_kernels.gpu.offsets import offset64
+
 BLOCK_V = 4096
 
 
@@ -37,22 +39,23 @@ def _row_max_sum(x_row, N, inv_t, BLOCK: tl.constexpr):
 @triton.jit
 def _log_softmax_kernel(x_ptr, y_ptr, stride_x, stride_y, N, BLOCK: tl.constexpr):
     """y[r, :] = x[r, :] - max - log(sum(exp(x - max))), fp32 out."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+    row = tl.program_id(0)
+    x_row = x_ptr + offset64(row, stride_x)
+    y_row = y_ptr + offset64(row, stride_y)
     mx, s = _row_max_sum(x_row, N, 1.0, BLOCK)
     lse = mx + tl.log(s)
     offs = tl.arange(0, BLOCK)
     for start in range(0, N, BLOCK):
         x = tl.load(x_row + start + offs, mask=start + offs < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + start + offs, x - lse, mask=start + offs < N)
+        tl.store(y_row + start + offs, x - lse, mask=start + offs < N)
 
 
 @triton.jit
 def _token_logprob_kernel(x_ptr, t_ptr, inv_t_ptr, out_ptr, lse_ptr, stride_x, N, BLOCK: tl.constexpr):
     """out[r] = x[r, t[r]] / T[r] - logsumexp(x[r, :] / T[r]); also stores the logsumexp for backward."""
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0)
     inv_t = tl.load(inv_t_ptr + row)
-    x_row = x_ptr + row * stride_x
+    x_row = x_ptr + offset64(row, stride_x)
     mx, s = _row_max_sum(x_row, N, inv_t, BLOCK)
     lse = mx + tl.log(s)
     target = tl.load(t_ptr + row)
@@ -65,18 +68,20 @@ def _token_logprob_kernel(x_ptr, t_ptr, inv_t_ptr, out_ptr, lse_ptr, stride_x, N
 def _token_logprob_bwd_kernel(x_ptr, t_ptr, inv_t_ptr, lse_ptr, g_ptr, dx_ptr, stride_x, stride_dx, N,
                               BLOCK: tl.constexpr):
     """dx[r, v] = g[r] * (1[v == t[r]] - softmax(x[r] / T[r])[v]) / T[r]."""
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0)
     inv_t = tl.load(inv_t_ptr + row)
     lse = tl.load(lse_ptr + row)
     g = tl.load(g_ptr + row).to(tl.float32)
     target = tl.load(t_ptr + row)
+    x_row = x_ptr + offset64(row, stride_x)
+    dx_row = dx_ptr + offset64(row, stride_dx)
     offs = tl.arange(0, BLOCK)
     for start in range(0, N, BLOCK):
         cols = start + offs
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32) * inv_t
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) * inv_t
         p = tl.exp(x - lse)
         d = (tl.where(cols == target, 1.0, 0.0) - p) * g * inv_t
-        tl.store(dx_ptr + row * stride_dx + cols, d.to(dx_ptr.dtype.element_ty), mask=cols < N)
+        tl.store(dx_row + cols, d.to(dx_ptr.dtype.element_ty), mask=cols < N)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

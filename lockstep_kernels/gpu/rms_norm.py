@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from lockstep_kernels import torch_ref
+from lockstep_kernels.gpu.offsets import offset64
 
 
 @triton.jit
@@ -21,11 +22,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, N, eps, BLOCK_N: t
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offset64(row, stride_x) + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     xn = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offset64(row, stride_y) + cols, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lockstep_kernels.gpu.offsets import offset64
+
+
 @triton.jit
 def _mix(x):
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
@@ -47,12 +50,13 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_
     # order, so it keeps the first); one reduction at the end instead of two per block.
     lane_best = tl.full((BLOCK,), float("-inf"), tl.float64)
     lane_idx = tl.zeros((BLOCK,), tl.int64)
+    logits_row = logits_ptr + offset64(row, stride)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, V)
     for start in range(lo, hi, BLOCK):
         v = start + tl.arange(0, BLOCK)
         mask = v < hi
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride + v, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(logits_row + v, mask=mask, other=0.0).to(tl.float32)
         scaled = tl.math.div_rn(x, tl.zeros_like(x) + t).to(tl.float64)
         h = _mix(key + v.to(tl.int64) * -7046029254386353131)
         u = (((h >> 11) & ((1 << 53) - 1)).to(tl.float64) + 0.5) / 9007199254740992.0
@@ -63,8 +67,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, pos_ptr, best_
     best = tl.max(lane_best, axis=0)
     # the first index among the lanes that reached the best (V: none, an empty chunk)
     best_idx = tl.min(tl.where(lane_best == best, lane_idx, V), axis=0)
-    tl.store(best_ptr + row * n_chunks + c, best)
-    tl.store(idx_ptr + row * n_chunks + c, best_idx)
+    tl.store(best_ptr + offset64(row, n_chunks) + c, best)
+    tl.store(idx_ptr + offset64(row, n_chunks) + c, best_idx)
 
 
 BLOCK = 2048

@@ -52,13 +52,15 @@ MODES = {
 }
 MOE_ONLY = {"r3"}
 
+GPU_CONFIG = "configs/bench-0.5b.yaml"  # GRPO, no entropy bonus, no KL: what a real-size recipe runs
+TINY_CONFIG = "configs/tiny.yaml"
 # The run every cell shares: one GPU, engine and trainer on it, weights through CUDA IPC handles;
 # 16 prompts x 8 samples x 256 tokens per step (random models rarely stop: ~32k response tokens), packed
 # into micro-batches of up to 16384 tokens (16384 x 151936 logits: past 2^31 elements).
 GPU_BASE = ["model.dtype=bfloat16", "train.device=cuda", "engine.device=cuda", "weights.type=tensor",
             "rollout.rollout_batch_size=16", "rollout.n_samples_per_prompt=8", "rollout.rollout_max_response_len=256",
             "train.global_batch_size=128", "train.max_tokens_per_gpu=16384", "engine.max_running_requests=128",
-            "train.lr=1e-6", "checkpoint.export_hf=false", "logging.plot=false"]
+            "train.lr=1e-6", "checkpoint.export_hf=false", "checkpoint.save_final=false", "logging.plot=false"]
 # What a user of a model this size sets anyway (the memory check names it when it is missing): the MoE
 # fits one GPU beside its engine only colocated (sync modes; the async ones are refused up front), so
 # its "colocated" cell is its default one and is not run twice.
@@ -67,7 +69,7 @@ SIZE_EXTRA_SYNC = {"moe-small": ["engine.colocated=true"]}
 ASYNC_MODES = {"one_step_off", "fully_async"}
 SKIP = {("moe-small", "colocated")}
 TINY_BASE = ["rollout.rollout_batch_size=8", "train.global_batch_size=64", "checkpoint.export_hf=false",
-             "logging.plot=false"]
+             "checkpoint.save_final=false", "logging.plot=false"]
 
 
 def write_checkpoint(out_dir: str, preset: str, device: str) -> float:
@@ -108,8 +110,9 @@ def cell_overrides(size: str, mode: str, tiny: bool) -> list[str]:
 def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: bool, timeout_s: float) -> dict:
     run_dir = os.path.join(work, f"{size}-{mode}")
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", f"num_rollout={steps}", *cell_overrides(size, mode, tiny)]
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", *overrides, "--no-progress"]
-    cell = {"size": size, "mode": mode, "command": "lockstep run configs/tiny.yaml " + " ".join(overrides[1:])}
+    config = TINY_CONFIG if tiny else GPU_CONFIG
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *overrides, "--no-progress"]
+    cell = {"size": size, "mode": mode, "command": f"lockstep run {config} " + " ".join(overrides[1:])}
     t0 = time.time()
     try:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -129,7 +132,27 @@ def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: 
         cell["log_tail"] = _log_tails(run_dir)
     if records:
         cell.update(_measurements(records, run_dir))
+    if not tiny:
+        cell.update(_estimate(config, overrides))
     return cell
+
+
+def _estimate(config: str, overrides: list[str]) -> dict:
+    """Lockstep's pre-flight memory estimate of the cell (GiB), beside what was measured."""
+    from pipeline.config import load_config
+    from pipeline.config import memory
+
+    cfg = load_config(os.path.join(REPO, config), overrides)
+    gib = _gpu_gib()
+    est = memory.estimate(cfg, memory.local_placement(cfg, gpu_visible=True), gib)
+    return {"estimate_total_gib": est.total / memory.GIB, "estimate_trainer_gib": est.trainer.peak / memory.GIB,
+            "estimate_engine_gib": est.engine.peak / memory.GIB, "estimate": est.line()}
+
+
+def _gpu_gib() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def _measurements(records: list[dict], run_dir: str) -> dict:
@@ -144,6 +167,7 @@ def _measurements(records: list[dict], run_dir: str) -> dict:
         "sync_s": split["weight_sync_s"], "response_tokens_per_step": split["response_tokens"],
         "tokens_per_s_per_gpu": split["tokens_per_s"],
         "trainer_peak_gib": peak("perf/trainer_peak_memory_gib"), "engine_peak_gib": peak("perf/engine_peak_memory_gib"),
+        "trainer_peak_allocated_gib": peak("perf/trainer_peak_allocated_gib"),
         "max_logprob_diff": max(r.get("train/rollout_logprob_max_abs_diff") or 0.0 for r in records),
         "mean_logprob_diff": sum(r.get("train/rollout_logprob_abs_diff") or 0.0 for r in records) / len(records),
     }

@@ -297,6 +297,10 @@ class TrainConfig:
     """Seed of the trainer (dropout-free, so it only matters for model init when no path is given)."""
     recompute_activations: bool = False
     """Activation checkpointing of every decoder layer (Miles: --recompute-granularity full)."""
+    expandable_segments: bool = True
+    """GPU trainers run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (unless that variable is set):
+    micro-batches of different lengths then reuse one growing segment instead of each leaving a cached
+    block of its own size behind."""
     gpu_memory_gib: float | None = None
     """Memory of one GPU in GiB (2^30 bytes; an H200 has ~139) that the pre-flight check plans against.
     null: `lockstep run` reads it from the GPU it sees, `lockstep submit` from the cluster profile's
@@ -476,6 +480,9 @@ class CheckpointConfig:
     """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
     export_hf: bool = True
     """At the end, also write the final policy as a Hugging Face directory run_dir/hf/."""
+    save_final: bool = True
+    """Save a checkpoint when the run ends (false: only every save_interval steps, and on pre-emption;
+    for short benchmark runs, whose final write of weights and optimizer states would dominate)."""
 
     def __post_init__(self):
         if self.save_interval < 0:

@@ -108,6 +108,10 @@ def main(argv=None) -> None:
 
         manager.main(args.run_dir, args.rank, args.num_producers)
     else:
+        from pipeline.config import load_resolved
+
+        if load_resolved(args.run_dir).train.expandable_segments:  # read by torch's allocator at its first use
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         from pipeline.trainer import loop
 
         trainer_env_from_slurm(args.run_dir)

@@ -428,7 +428,8 @@ class Trainer:
         built-in engines, whose /server_info reports theirs."""
         if self.device.type != "cuda":
             return {}
-        out = {"perf/trainer_peak_memory_gib": torch.cuda.max_memory_reserved(self.device) / 2**30}
+        out = {"perf/trainer_peak_memory_gib": torch.cuda.max_memory_reserved(self.device) / 2**30,
+               "perf/trainer_peak_allocated_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
         if self.cfg.engine.type == "local" and self.sender is not None:
             try:
                 peaks = [c.request("GET", "/server_info").get("peak_memory_reserved_gib") for c in self.sender.clients]
@@ -440,7 +441,7 @@ class Trainer:
 
     def should_save(self, done_steps: int) -> bool:
         k = self.cfg.checkpoint.save_interval
-        return done_steps == self.cfg.num_rollout or (k > 0 and done_steps % k == 0)
+        return (self.cfg.checkpoint.save_final and done_steps == self.cfg.num_rollout) or (k > 0 and done_steps % k == 0)
 
     def save(self, done_steps: int) -> None:
         b = self.backend

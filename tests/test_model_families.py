@@ -252,6 +252,7 @@ REFUSED = [
     (_edit(LLAMA31_8B_INSTRUCT, sliding_window=4096), "sliding_window=4096: not a field Lockstep implements for"
                                                       " model_type 'llama'"),
     (_edit(QWEN3_8B, pruned_heads={"0": [1]}), "pruned_heads="),
+    (_edit(QWEN3_8B, layer_types=["full_attention"] * 35 + ["linear_attention"]), "layer_types=['full_attention'"),
     (_edit(QWEN3_8B, model_type="mistral"), "model_type 'mistral' is not supported"),
 ]
 

@@ -12,6 +12,7 @@ writes the family's layout back, RoPE scaling in the form it was read in, so
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from pipeline.errors import UserError
@@ -33,7 +34,11 @@ class RopeScaling:
     raw: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
-        return dict(self.params).get(key, default)
+        return self._params.get(key, default)
+
+    @cached_property
+    def _params(self) -> dict[str, Any]:
+        return dict(self.params)
 
 
 @dataclass(frozen=True)

@@ -197,17 +197,15 @@ def _check(cfg: dict[str, Any], model_type: str, get) -> None:
 
 def _sliding_layers(cfg: dict[str, Any], model_type: str, get) -> list[int]:
     """The layers transformers runs with a sliding window (none unless use_sliding_window is true)."""
+    n, types = get("num_hidden_layers"), cfg.get("layer_types")
+    if types is not None and (len(types) != n or set(types) - {"full_attention", "sliding_attention"}):
+        raise _refuse(f"layer_types={_show(types)}: expected {n} entries of full_attention / sliding_attention")
     if not get("use_sliding_window") or get("sliding_window") is None:
         return []
-    n = get("num_hidden_layers")
     if model_type == "qwen3_moe":  # every layer, as transformers' Qwen3-MoE does
         return list(range(n))
-    types = cfg.get("layer_types")
     if types is None:
         return [i for i in range(n) if i >= get("max_window_layers")]
-    bad = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if bad or len(types) != n:
-        raise _refuse(f"layer_types={_show(types)}: expected {n} entries of full_attention / sliding_attention")
     return [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
@@ -226,15 +224,12 @@ def _is_lockstep_w4a16(quant: Any) -> bool:
 
 def _read_rope(cfg: dict[str, Any], get) -> tuple[float, RopeScaling | None, str]:
     """(rope_theta, scaling or None, the form config.json used: "rope_theta" or "rope_parameters")."""
-    if cfg.get("rope_scaling"):
-        name, d = "rope_scaling", dict(cfg["rope_scaling"])
-    elif cfg.get("rope_parameters"):
-        name, d = "rope_parameters", dict(cfg["rope_parameters"])
-    else:
-        name, d = "rope_scaling", {}
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    d = cfg.get(name) or {}
     if not isinstance(d, dict):
-        raise _refuse(f"{name}={_show(cfg[name])} is not a dict")
-    form = "rope_parameters" if name == "rope_parameters" else "rope_theta"
+        raise _refuse(f"{name}={_show(d)} is not a dict")
+    d = dict(d)
+    form = "rope_parameters" if name == "rope_parameters" and d else "rope_theta"
     theta = d.pop("rope_theta", None)
     theta = get("rope_theta") if theta is None else theta
     rope_type = d.get("rope_type", d.get("type", "default"))

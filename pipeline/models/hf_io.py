@@ -1,7 +1,7 @@
 """Hugging Face checkpoint directories: config.json + safetensors (single file or sharded index).
 
-`load_model` builds our Qwen3 module from a real HF directory; `save_model` writes one that
-transformers (and SGLang's loader) read back. Writes are atomic: a temp directory renamed into place.
+`load_model` builds our decoder (any family pipeline/models/hf_config.py reads) from a real HF
+directory; `save_model` writes one that transformers (and SGLang's loader) read back. Writes are atomic: a temp directory renamed into place.
 """
 
 from __future__ import annotations

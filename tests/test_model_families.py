@@ -304,21 +304,23 @@ def test_dynamic_rope_refuses_sequences_past_max_position_embeddings(tmp_path):
         args.check_context_length(65, "context")
 
 
-@pytest.mark.parametrize("edit,fragment", [
-    (dict(hidden_act="gelu"), "lockstep: error: config.json: hidden_act='gelu' is not implemented"),
-    (dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+@pytest.mark.parametrize("model_type,edit,extra,fragment", [
+    ("qwen2", dict(hidden_act="gelu"), [], "lockstep: error: config.json: hidden_act='gelu' is not implemented"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]), [],
      "lockstep: error: config.json: use_sliding_window=true with sliding_window=8 on layer 1"),
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    ("qwen2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), [],
      "lockstep: error: rope_scaling rope_type 'dynamic' with data.max_prompt_len + rollout.rollout_max_response_len"
      " 258 > max_position_embeddings (64)"),
+    ("llama", dict(mlp_bias=True), ["train.backend=megatron"],
+     "lockstep: error: train.backend=megatron does not support mlp_bias=true"),
 ])
-def test_cli_refuses_before_anything_starts(edit, fragment, tmp_path):
+def test_cli_refuses_before_anything_starts(model_type, edit, extra, fragment, tmp_path):
     from test_config import run_cli
 
-    path = hf_checkpoint(str(tmp_path / "m"), "qwen2", tokenizer=True)
+    path = hf_checkpoint(str(tmp_path / "m"), model_type, tokenizer=True)
     raw = json.load(open(os.path.join(path, "config.json")))
     json.dump(dict(raw, **edit), open(os.path.join(path, "config.json"), "w"))
-    res = run_cli("run", "configs/tiny.yaml", f"model.path={path}", f"run_dir={tmp_path}/run")
+    res = run_cli("run", "configs/tiny.yaml", f"model.path={path}", f"run_dir={tmp_path}/run", *extra)
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(fragment), res.stderr

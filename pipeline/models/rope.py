@@ -22,9 +22,10 @@ from pipeline.models.config import ModelArgs
 
 
 # Every tensor is created on `device` itself: the engine captures the forward in CUDA graphs, where a
-# host-to-device copy is not allowed (integer aranges are exact, so the values are transformers').
+# host-to-device copy is not allowed. (transformers builds some aranges as int64 and converts them;
+# small integers are exact in fp32, so the values are the same.)
 def _default(theta: float, dim: int, device) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float) / dim))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
 
 
 def inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
@@ -88,7 +89,7 @@ def _yarn(base: float, dim: int, rs, device) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: no division by zero
-    pos_freqs = base ** (torch.arange(0, dim, 2, device=device).to(torch.float) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
     extrapolation_factor = 1 - ramp

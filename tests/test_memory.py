@@ -78,7 +78,8 @@ class _FlashCtx:
 def test_layer_activation_bytes_are_what_autograd_keeps(moe):
     """layer_activation_bytes against the tensors a bf16 decoder layer really saves for backward
     (parameters, the layer's input and the shared RoPE tables excluded; attention keeps flash's set)."""
-    from pipeline.models.qwen3 import DecoderLayer, MoeRouting, rope_cos_sin
+    from pipeline.models.qwen3 import DecoderLayer, MoeRouting
+    from pipeline.models.rope import rope_cos_sin
 
     a = model_preset("tiny-dense", 100, None, 0, 0)
     a = dataclasses.replace(a, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -88,7 +89,7 @@ def test_layer_activation_bytes_are_what_autograd_keeps(moe):
     torch.manual_seed(0)
     layer = DecoderLayer(a, 0).to(torch.bfloat16)
     x = torch.randn(n, a.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(n), a.head_dim, a.rope_theta, torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(n), a, torch.bfloat16)
     saved = {}
 
     def pack(t):

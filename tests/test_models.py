@@ -98,8 +98,8 @@ def test_config_json_roundtrip(dense_dir, moe_dir):
 def test_unsupported_architecture_is_a_clear_error():
     from pipeline.errors import UserError
 
-    with pytest.raises(UserError, match="model_type 'llama' is not supported"):
-        ModelArgs.from_hf({"model_type": "llama"})
+    with pytest.raises(UserError, match="model_type 'mistral' is not supported"):
+        ModelArgs.from_hf({"model_type": "mistral"})
 
 
 def test_routing_record_and_replay(moe_dir):

@@ -23,8 +23,9 @@ def _positive(section: str, **values) -> None:
 @dataclass
 class ModelConfig:
     path: str | None = None
-    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json). Null: create a
-    randomly initialised model from `init` inside the run directory."""
+    """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) of a Qwen2 / Qwen2.5,
+    Qwen3, Qwen3-MoE or Llama 3.x model. Null: create a randomly initialised model from `init` inside the
+    run directory."""
     init: Literal["tiny-dense", "tiny-moe", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b", "qwen3-moe-small"] = "tiny-dense"
     """Architecture preset used when `path` is null: tiny-dense / tiny-moe (about 0.1M parameters, for
     CPUs), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row vocabulary, for GPU

@@ -40,7 +40,13 @@ def check_inputs(cfg: RunConfig) -> None:
             raise UserError(f"model.path {cfg.model.path!r} is not a directory: point it at a Hugging Face checkpoint")
         from pipeline.models.hf_io import read_model_args
 
-        read_model_args(cfg.model.path)
+        args = read_model_args(cfg.model.path)
+        args.check_context_length(cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len,
+                                  "data.max_prompt_len + rollout.rollout_max_response_len")
+        if cfg.train.backend == "megatron":
+            from pipeline.trainer.megatron.model import check_model
+
+            check_model(args)
         if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
             raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
     with open(cfg.data.prompt_data) as f:

@@ -1,17 +1,44 @@
 """Model architecture settings, read from and written to a Hugging Face `config.json`.
 
-`ModelArgs` covers the Qwen3 (dense) and Qwen3-MoE families. `from_hf` accepts both the legacy
-top-level `rope_theta` and transformers 5's `rope_parameters`; `to_hf` writes the layout that real
-Qwen3 checkpoints ship, so `transformers.AutoModelForCausalLM.from_pretrained` loads our directories.
+`ModelArgs` covers the families Lockstep runs with one decoder (pipeline/models/qwen3.py): Qwen3 and
+Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x. They differ in a few switches read from the config
+(`family`, `attention_bias`, `mlp_bias`; q/k norm and q/k/v bias follow from the family) and in RoPE
+(`rope_theta`, `rope_scaling`). `from_hf` is a strict reader (pipeline/models/hf_config.py): a field
+that would change the computation and that Lockstep does not implement is refused by name; `to_hf`
+writes the family's layout back, RoPE scaling in the form it was read in, so
+`transformers.AutoModelForCausalLM.from_pretrained` loads our directories.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from pipeline.errors import UserError
+
+FAMILIES = ("qwen3", "qwen2", "llama")  # qwen3 with experts is Qwen3-MoE
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling of config.json (`rope_scaling`, or transformers 5's `rope_parameters`).
+
+    rope_type: `linear`, `dynamic`, `yarn` or `llama3` (pipeline/models/rope.py computes them as
+    transformers' modeling_rope_utils does). params: the dict's other entries (rope_theta lives in
+    ModelArgs), read by `get`. `raw` is the dict as config.json wrote it (a legacy `type` key
+    included), so the export writes it back the same way; it takes no part in comparisons."""
+
+    rope_type: str
+    params: tuple[tuple[str, Any], ...] = ()
+    raw: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._params.get(key, default)
+
+    @cached_property
+    def _params(self) -> dict[str, Any]:
+        return dict(self.params)
 
 
 @dataclass(frozen=True)
@@ -29,6 +56,12 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     initializer_range: float = 0.02
+    # The family: "qwen3" (q/k RMSNorm, biases as attention_bias says), "qwen2" (q/k/v bias, no o_proj
+    # bias, no q/k norm), "llama" (no q/k norm; attention_bias on q/k/v/o, mlp_bias on the MLP).
+    family: str = "qwen3"
+    mlp_bias: bool = False
+    # None: plain RoPE with rope_theta.
+    rope_scaling: RopeScaling | None = None
     # MoE (Qwen3-MoE); num_experts == 0 means dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -39,11 +72,16 @@ class ModelArgs:
     # Multi-token prediction draft layers (Qwen3-Next's mtp_num_hidden_layers); 0 or 1.
     mtp_num_hidden_layers: int = 0
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a tuple when config.json lists several
     pad_token_id: int | None = None
+    # Harmless config.json fields (pipeline/models/hf_config.py's allow-list), written back as read.
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # "rope_parameters" when config.json wrote RoPE transformers 5's way (written back the same way).
+    rope_form: str = field(default="rope_theta", compare=False)
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise UserError(f"model family {self.family!r} is not one of {', '.join(FAMILIES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UserError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -51,6 +89,8 @@ class ModelArgs:
             )
         if self.mtp_num_hidden_layers not in (0, 1):
             raise UserError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers}: Lockstep builds at most one MTP layer")
+        if self.is_moe and self.family != "qwen3":
+            raise UserError(f"num_experts={self.num_experts}: Lockstep runs mixture-of-experts models of the Qwen3-MoE family only")
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise UserError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
@@ -73,122 +113,60 @@ class ModelArgs:
 
     @property
     def model_type(self) -> str:
-        return "qwen3_moe" if self.is_moe else "qwen3"
+        return "qwen3_moe" if self.is_moe else self.family
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+        return self.family == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family == "qwen2" or self.attention_bias
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.family != "qwen2" and self.attention_bias
+
+    def check_context_length(self, length: int, what: str) -> None:
+        """Refuse sequences for which Lockstep's computation would differ from transformers': dynamic
+        NTK RoPE is a fixed table only while every sequence fits max_position_embeddings (beyond, it
+        changes with the batch's longest sequence, which the trainer and engines do not share)."""
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "dynamic" and length > self.max_position_embeddings:
+            raise UserError(
+                f"rope_scaling rope_type 'dynamic' with {what} {length} > max_position_embeddings"
+                f" ({self.max_position_embeddings}): dynamic NTK RoPE then depends on each batch's longest"
+                f" sequence, which trainer and engines do not share; shorten sequences to"
+                f" {self.max_position_embeddings} tokens")
 
     def num_params(self) -> int:
         """Parameter count (embedding and head counted once each unless tied)."""
         h, kv, hd = self.hidden_size, self.num_key_value_heads, self.head_dim
-        attn = h * self.num_attention_heads * hd * 2 + h * kv * hd * 2 + 2 * hd
+        attn = h * self.num_attention_heads * hd * 2 + h * kv * hd * 2
+        attn += 2 * hd if self.qk_norm else 0
+        attn += (self.num_attention_heads + 2 * kv) * hd if self.qkv_bias else 0
+        attn += h if self.o_proj_bias else 0
         total = 0
         for i in range(self.num_hidden_layers):
             if self.is_moe_layer(i):
                 mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
             else:
-                mlp = 3 * h * self.intermediate_size
+                mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
             total += attn + mlp + 2 * h
         emb = self.vocab_size * h
         return total + emb + h + (0 if self.tie_word_embeddings else emb)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
-        model_type = cfg.get("model_type")
-        if model_type not in ("qwen3", "qwen3_moe"):
-            raise UserError(
-                f"model_type {model_type!r} is not supported (Lockstep runs the Qwen3 and Qwen3-MoE families)"
-            )
-        rope = cfg.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default") if rope else (cfg.get("rope_scaling") or {}).get("rope_type", "default")
-        if rope_type != "default":
-            raise UserError(f"rope_type {rope_type!r} is not supported yet (only 'default' RoPE)")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-        heads = cfg["num_attention_heads"]
-        known = {f.name for f in dataclasses.fields(cls)}
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        args = dict(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            initializer_range=cfg.get("initializer_range", 0.02),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=cfg.get("pad_token_id"),
-            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0),
-        )
-        if model_type == "qwen3_moe":
-            args.update(
-                num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),  # transformers 5 writes the alias
-                num_experts_per_tok=cfg["num_experts_per_tok"],
-                moe_intermediate_size=cfg["moe_intermediate_size"],
-                norm_topk_prob=cfg.get("norm_topk_prob", False),  # transformers' default when absent
-                decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-            )
-        args["extra"] = {k: v for k, v in cfg.items() if k not in known and k not in _HF_DERIVED}
-        return cls(**args)
+        """Read a config.json dict strictly (pipeline/models/hf_config.py says what is refused)."""
+        from pipeline.models.hf_config import read_hf_config
+
+        return read_hf_config(cfg)
 
     def to_hf(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {
-            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "initializer_range": self.initializer_range,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "use_cache": True,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "torch_dtype": "float32",
-        }
-        if self.is_moe:
-            cfg.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                norm_topk_prob=self.norm_topk_prob,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                router_aux_loss_coef=0.0,
-                output_router_logits=False,
-            )
-        if self.mtp_num_hidden_layers:
-            cfg["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
-        for k, v in self.extra.items():
-            cfg.setdefault(k, v)
-        return cfg
+        from pipeline.models.hf_config import write_hf_config
 
-
-# Keys of an HF config that `from_hf` folds into typed fields (so they are not kept in `extra`).
-_HF_DERIVED = {
-    "architectures", "model_type", "hidden_act", "rope_parameters", "rope_scaling", "torch_dtype", "dtype",
-    "attention_dropout", "use_sliding_window", "sliding_window", "max_window_layers", "use_cache",
-    "layer_types", "router_aux_loss_coef", "num_nextn_predict_layers", "num_local_experts", "output_router_logits", "transformers_version",
-}
+        return write_hf_config(self)
 
 
 # Sizes of real Qwen3-class models for `model.init` (randomly initialised; the vocabulary is padded to

@@ -23,7 +23,8 @@ from torch import nn
 import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
-from pipeline.models.qwen3 import DecoderLayer, Linear, RMSNorm, rope_cos_sin
+from pipeline.models.qwen3 import DecoderLayer, Linear, RMSNorm
+from pipeline.models.rope import rope_cos_sin
 
 
 class MtpHead(nn.Module):
@@ -44,7 +45,7 @@ class MtpHead(nn.Module):
         token i+2. The returned hidden states stand in for the main model's when drafting further ahead."""
         emb_ND = F.embedding(next_ids_N, embed_VD)
         x_ND = self.fc(torch.cat((self.pre_fc_norm_embedding(emb_ND), self.pre_fc_norm_hidden(hidden_ND)), -1))
-        cos, sin = rope_cos_sin(positions_N, self.args.head_dim, self.args.rope_theta, x_ND.dtype)
+        cos, sin = rope_cos_sin(positions_N, self.args, x_ND.dtype)
         x_ND = self.layers[0](x_ND, cos, sin, ctx, None)
         h = x_ND if at_M is None else x_ND[at_M]
         return kernels.linear(self.norm(h), head_VD, None), x_ND

@@ -1,9 +1,12 @@
-"""A Qwen3-style decoder (RMSNorm, RoPE, GQA with q/k norm, SwiGLU) with an optional top-k MoE block.
+"""The decoder of every family Lockstep runs (RMSNorm, RoPE, GQA, SwiGLU), with an optional top-k MoE block.
 
+Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x are one module with a few switches read from the
+config (ModelArgs): q/k RMSNorm (Qwen3), q/k/v bias (Qwen2, or attention_bias), o_proj bias
+(attention_bias outside Qwen2), MLP bias (Llama's mlp_bias), and the RoPE type (pipeline/models/rope.py).
 One module serves the trainer and the built-in engine. It runs on a flat stream of tokens; an
 attention context (pipeline.models.attention) says how the tokens group into sequences or attend to a
 KV cache, and an optional `MoeRouting` records or replays (R3) the experts each token is sent to.
-Parameter names equal Hugging Face Qwen3 / Qwen3-MoE checkpoint names, so `state_dict()` loads from
+Parameter names equal the Hugging Face checkpoint names of each family, so `state_dict()` loads from
 and saves to real checkpoints unchanged.
 
 Legend: N tokens, D hidden, H query heads, K kv heads, Hd head dim, V vocab, E experts, k top-k.
@@ -18,6 +21,7 @@ import lockstep_kernels as kernels
 
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
+from pipeline.models.rope import apply_rope, rope_cos_sin
 
 
 class Linear(nn.Linear):
@@ -49,47 +53,38 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(positions_N: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [N, Hd] for the given absolute positions (computed in fp32, like HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions_N.device) / head_dim))
-    freqs = positions_N[:, None].float() * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
-    half = x_NHD.shape[-1] // 2
-    rotated = torch.cat((-x_NHD[..., half:], x_NHD[..., :half]), dim=-1)
-    return x_NHD * cos_ND[:, None] + rotated * sin_ND[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, hd = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
-        self.q_proj = Linear(h, self.n_heads * hd, bias=args.attention_bias)
-        self.k_proj = Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.v_proj = Linear(h, self.n_kv * hd, bias=args.attention_bias)
-        self.o_proj = Linear(self.n_heads * hd, h, bias=args.attention_bias)
-        self.q_norm = RMSNorm(hd, args.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+        self.q_proj = Linear(h, self.n_heads * hd, bias=args.qkv_bias)
+        self.k_proj = Linear(h, self.n_kv * hd, bias=args.qkv_bias)
+        self.v_proj = Linear(h, self.n_kv * hd, bias=args.qkv_bias)
+        self.o_proj = Linear(self.n_heads * hd, h, bias=args.o_proj_bias)
+        self.qk_norm = args.qk_norm
+        if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
+            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
 
     def forward(self, x_ND, cos, sin, ctx: AttentionContext, layer_idx: int):
         n = x_ND.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x_ND).view(n, self.n_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x_ND).view(n, self.n_kv, self.head_dim)), cos, sin)
+        q = self.q_proj(x_ND).view(n, self.n_heads, self.head_dim)
+        k = self.k_proj(x_ND).view(n, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x_ND).view(n, self.n_kv, self.head_dim)
         o_NHD = ctx.attend(layer_idx, q, k, v)
         return self.o_proj(o_NHD.reshape(n, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = Linear(hidden, inner, bias=False)
-        self.up_proj = Linear(hidden, inner, bias=False)
-        self.down_proj = Linear(inner, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inner, bias=bias)
+        self.up_proj = Linear(hidden, inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
 
     def forward(self, x):
         return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -180,7 +175,8 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.moe_idx = args.moe_layers.index(layer_idx) if args.is_moe_layer(layer_idx) else -1
         self.self_attn = Attention(args)
-        self.mlp = SparseMoeBlock(args) if self.moe_idx >= 0 else MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = (SparseMoeBlock(args) if self.moe_idx >= 0
+                    else MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -234,7 +230,7 @@ class Qwen3ForCausalLM(nn.Module):
         from detached hidden states and detached embedding / LM-head weights, so its loss trains the
         head alone. Extra results come back as a tuple (logits, hidden or MTP logits)."""
         x_ND = self.model.embed_tokens(input_ids_N)
-        cos, sin = rope_cos_sin(positions_N, self.args.head_dim, self.args.rope_theta, x_ND.dtype)
+        cos, sin = rope_cos_sin(positions_N, self.args, x_ND.dtype)
         for layer in self.model.layers:
             x_ND = layer(x_ND, cos, sin, ctx, routing)
         if logits_at_M is None:

@@ -154,6 +154,7 @@ class Engine:
     ):
         self.model = model.eval()
         self.args: ModelArgs = model.args
+        self.args.check_context_length(context_length, "the engine's context length")
         self.quantization = quantization
         if quantization == "fp8":  # FP8 linear layers (pipeline/models/fp8.py)
             from pipeline.models.fp8 import to_fp8

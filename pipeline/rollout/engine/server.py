@@ -342,6 +342,8 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
                         eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
                         speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
                         quantization=quantization)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # loading's transient blocks (flattening copies the weights once)
     with clock.phase("graphs"):
         engine.capture_graphs()
     return engine, tokenizer

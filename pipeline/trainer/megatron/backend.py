@@ -109,7 +109,7 @@ class MegatronBackend:
 
         from pipeline.trainer.fsdp import lr_factor
         from pipeline.trainer.megatron import convert
-        from pipeline.trainer.megatron.model import build_gpt, transformer_config
+        from pipeline.trainer.megatron.model import build_gpt, check_model, transformer_config
 
         check_config(cfg)
         if device.type == "cpu":
@@ -129,6 +129,7 @@ class MegatronBackend:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
         self.args = read_model_args(model_dir)
+        check_model(self.args)
         try:
             convert.check_parallel(self.args, self.tp, self.ep, self.pp)
         except ValueError as e:

@@ -1,7 +1,10 @@
-"""Hugging Face Qwen3 / Qwen3-MoE state dicts <-> megatron-core GPTModel (local layer spec) shards.
+"""Hugging Face state dicts (Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5, Llama 3.x) <-> megatron-core GPTModel
+(local layer spec) shards.
 
 Pure functions on {name: tensor} dicts. Megatron fuses what HF keeps apart and shards along TP/EP:
-  - linear_qkv: per query group g, the rows [q heads of g | k of g | v of g]; TP splits groups.
+  - linear_qkv: per query group g, the rows [q heads of g | k of g | v of g]; TP splits groups. A
+    q/k/v bias (Qwen2; `add_qkv_bias`) is fused the same way into linear_qkv.bias. q/k norms
+    (q_layernorm, k_layernorm) exist for Qwen3 only.
   - linear_fc1: [gate | up] of each TP rank's slice of the intermediate dimension.
   - column-parallel (qkv, fc1, output layer, embedding rows) split dim 0; row-parallel (proj, fc2)
     split dim 1; norms and the router are replicated.
@@ -33,18 +36,21 @@ def _split(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Weights [rows, D] or biases [rows] of q, k, v -> megatron's fused rows, grouped per kv head."""
     g, d = args.num_key_value_heads, args.head_dim
     per = args.num_attention_heads // g
-    q_g = q.reshape(g, per * d, -1)
-    return torch.cat((q_g, k.reshape(g, d, -1), v.reshape(g, d, -1)), 1).reshape(-1, q.shape[-1])
+    rest = q.shape[1:]
+    q_g = q.reshape(g, per * d, *rest)
+    return torch.cat((q_g, k.reshape(g, d, *rest), v.reshape(g, d, *rest)), 1).reshape(-1, *rest)
 
 
 def unfuse_qkv(qkv: torch.Tensor, args: ModelArgs, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d = args.head_dim
     per = args.num_attention_heads // args.num_key_value_heads
-    x = qkv.reshape(groups, (per + 2) * d, -1)
+    rest = qkv.shape[1:]
+    x = qkv.reshape(groups, (per + 2) * d, *rest)
     q, k, v = x.split([per * d, d, d], 1)
-    return q.reshape(-1, qkv.shape[-1]), k.reshape(-1, qkv.shape[-1]), v.reshape(-1, qkv.shape[-1])
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def check_parallel(args: ModelArgs, tp: int, ep: int, pp: int = 1) -> None:
@@ -75,9 +81,13 @@ def to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, 
         qkv = fuse_qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
                        hf[h + "self_attn.v_proj.weight"], args)
         out[m + "self_attention.linear_qkv.weight"] = col(qkv)  # whole groups per rank
+        if args.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = col(fuse_qkv(
+                hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], args))
         out[m + "self_attention.linear_proj.weight"] = row(hf[h + "self_attn.o_proj.weight"])
-        out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"].clone()
-        out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"].clone()
+        if args.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"].clone()
+            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"].clone()
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"].clone()
         if args.is_moe_layer(i):
@@ -153,12 +163,14 @@ def to_hf(shards: list[list[dict[str, torch.Tensor]]], args: ModelArgs) -> dict[
     for i in range(args.num_hidden_layers):
         h = f"model.layers.{i}."
         m = f"decoder.layers.{i}."
-        parts = [unfuse_qkv(s[m + "self_attention.linear_qkv.weight"], args, groups) for s in first]
-        for n, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            out[h + f"self_attn.{name}.weight"] = torch.cat([p[n] for p in parts], 0)
+        for kind in ("weight", "bias") if args.qkv_bias else ("weight",):
+            parts = [unfuse_qkv(s[m + f"self_attention.linear_qkv.{kind}"], args, groups) for s in first]
+            for n, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[h + f"self_attn.{name}.{kind}"] = torch.cat([p[n] for p in parts], 0)
         out[h + "self_attn.o_proj.weight"] = row(m + "self_attention.linear_proj.weight")
-        out[h + "self_attn.q_norm.weight"] = first[0][m + "self_attention.q_layernorm.weight"].clone()
-        out[h + "self_attn.k_norm.weight"] = first[0][m + "self_attention.k_layernorm.weight"].clone()
+        if args.qk_norm:
+            out[h + "self_attn.q_norm.weight"] = first[0][m + "self_attention.q_layernorm.weight"].clone()
+            out[h + "self_attn.k_norm.weight"] = first[0][m + "self_attention.k_layernorm.weight"].clone()
         out[h + "input_layernorm.weight"] = first[0][m + "input_layernorm.weight"].clone()
         out[h + "post_attention_layernorm.weight"] = first[0][m + "pre_mlp_layernorm.weight"].clone()
 

@@ -1,8 +1,11 @@
-"""megatron-core's GPTModel for the Qwen3 / Qwen3-MoE families, and a forward on our micro-batches.
+"""megatron-core's GPTModel for the Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x families, and a
+forward on our micro-batches.
 
-`transformer_config` maps ModelArgs onto TransformerConfig (RMSNorm, SwiGLU, q/k norm, GQA, RoPE
-without interleave, no biases; MoE: softmax router over top-k as Qwen3-MoE, no aux loss). The layer
-spec is megatron's local spec, or Transformer Engine's when it imports and the model is on a GPU.
+`transformer_config` maps ModelArgs onto TransformerConfig (RMSNorm, SwiGLU, GQA, RoPE without
+interleave; q/k norm for Qwen3, q/k/v bias for Qwen2 (`add_qkv_bias`), no other biases; MoE: softmax
+router over top-k as Qwen3-MoE, no aux loss). `build_gpt` gives megatron's rotary embedding the
+frequency table of pipeline/models/rope.py (any RoPE type Lockstep reads) and YaRN's cos/sin factor.
+The layer spec is megatron's local spec, or Transformer Engine's when it imports and the model is on a GPU.
 `logits_at` runs a packed micro-batch (pipeline.trainer.batching.MicroBatch) as a padded [B, T]
 batch with a causal+padding mask and returns the logits at the scored positions (under pipeline
 parallelism: one stage's part, pipeline/trainer/megatron/stages.py carries activations between them).
@@ -15,7 +18,23 @@ from __future__ import annotations
 import torch
 
 import lockstep_kernels as kernels
+from pipeline.errors import ConfigError
 from pipeline.models.config import ModelArgs
+
+
+def check_model(args: ModelArgs) -> None:
+    """Refuse what megatron's layers cannot express: a bias on o_proj or the MLP (megatron's
+    add_bias_linear puts one on every linear layer at once) and a YaRN attention_factor given
+    explicitly (megatron derives the factor from factor / mscale / mscale_all_dim)."""
+    rs = args.rope_scaling
+    refuse = {
+        f"attention_bias=true on model_type {args.model_type!r} (o_proj bias)": args.o_proj_bias,
+        "mlp_bias=true": args.mlp_bias,
+        "rope_scaling attention_factor": rs is not None and rs.get("attention_factor") is not None,
+    }
+    bad = [k for k, v in refuse.items() if v]
+    if bad:
+        raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)}: use train.backend=fsdp")
 
 
 def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: bool, dtype: torch.dtype,
@@ -37,7 +56,7 @@ def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: 
         num_query_groups=args.num_key_value_heads, kv_channels=args.head_dim, ffn_hidden_size=args.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=args.rms_norm_eps, gated_linear_unit=True,
         activation_func=kernels.silu,  # as pipeline.models (batch invariant when that mode is on)
-        add_bias_linear=False, add_qkv_bias=args.attention_bias, qk_layernorm=True, hidden_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
         pipeline_model_parallel_size=pp, pipeline_dtype=dtype if pp > 1 else None,
         # activation checkpointing of every layer (Miles: --recompute-granularity full --recompute-method uniform)
@@ -52,16 +71,19 @@ def layer_spec(args: ModelArgs, use_te: bool):
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts or None, qk_layernorm=True)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts or None,
+                                                          qk_layernorm=args.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from pipeline.trainer.megatron.layers import CoreAttention, RMSNorm
 
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts or None, qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts or None, qk_layernorm=args.qk_norm,
+                                    normalization="RMSNorm")
     sub = spec.submodules  # megatron's modules, with our norms and core attention (pipeline/trainer/megatron/layers.py)
     sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
-    attn.q_layernorm = attn.k_layernorm = RMSNorm
+    if args.qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     attn.core_attention = CoreAttention
     return spec
 
@@ -83,10 +105,31 @@ def build_gpt(args: ModelArgs, config, use_te: bool = False, first_stage: bool =
     spec = layer_spec(args, use_te)
     if not use_te:  # the final norm too
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
-    return GPTModel(config, spec, vocab_size=args.vocab_size,
-                    max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
-                    rotary_base=int(args.rope_theta), share_embeddings_and_output_weights=args.tie_word_embeddings,
-                    parallel_output=False, pre_process=first_stage, post_process=last_stage)
+    gpt = GPTModel(config, spec, vocab_size=args.vocab_size,
+                   max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                   rotary_base=int(args.rope_theta), share_embeddings_and_output_weights=args.tie_word_embeddings,
+                   parallel_output=False, pre_process=first_stage, post_process=last_stage)
+    set_rope(gpt, args, config)
+    return gpt
+
+
+def set_rope(gpt, args: ModelArgs, config) -> None:
+    """Megatron's rotary embedding with Lockstep's table (pipeline/models/rope.py: every RoPE type, on
+    the device megatron computes its own on, so the table is the engine's bit for bit), and YaRN's
+    cos/sin factor through the config fields megatron's attention reads for it."""
+    from pipeline.models.rope import inv_freq
+
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    gpt.rotary_pos_emb.inv_freq, scale = inv_freq(args, device)
+    rs = args.rope_scaling
+    if rs is not None and rs.rope_type == "yarn":
+        both = bool(rs.get("mscale") and rs.get("mscale_all_dim"))  # transformers' condition for the ratio
+        config.yarn_rotary_scaling_factor = rs.get("factor")
+        config.yarn_mscale = rs.get("mscale") if both else None
+        config.yarn_mscale_all_dim = rs.get("mscale_all_dim") if both else None
+        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+        assert _yarn_get_concentration_factor_from_config(config) == scale, "megatron's YaRN factor differs"
 
 
 def padded_batch(input_ids_N: torch.Tensor, cu_seqlens: torch.Tensor, pad_to: int = 1):

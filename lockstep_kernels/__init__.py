@@ -49,7 +49,7 @@ def batch_invariant_mode(enabled: bool = True):
 
 
 from lockstep_kernels.ops import (attention, decode_attention, linear, log_softmax, packed_causal_attention,  # noqa: E402
-                                  rms_norm, silu, softmax, token_logprobs, topk_indices)
+                                  rms_norm, sigmoid, silu, softmax, token_logprobs, topk_indices)
 
 __all__ = ["batch_invariant_mode", "is_batch_invariant", "set_batch_invariant", "enable_batch_invariant_mode",
-           "linear", "attention", "packed_causal_attention", "decode_attention", "rms_norm", "log_softmax", "softmax", "silu", "topk_indices", "token_logprobs"]
+           "linear", "attention", "packed_causal_attention", "decode_attention", "rms_norm", "log_softmax", "softmax", "sigmoid", "silu", "topk_indices", "token_logprobs"]

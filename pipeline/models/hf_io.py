@@ -65,6 +65,10 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
 
     args = read_model_args(model_dir)
     state = read_state_dict(model_dir)
+    if args.is_mla:
+        from pipeline.models.deepseek import nextn_to_mtp
+
+        state, args = nextn_to_mtp(state, args, mtp_layers)
     fresh_mtp = False
     if mtp_layers is not None and mtp_layers != args.mtp_num_hidden_layers:
         fresh_mtp = mtp_layers > 0

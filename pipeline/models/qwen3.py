@@ -1,8 +1,10 @@
 """The decoder of every family Lockstep runs (RMSNorm, RoPE, GQA, SwiGLU), with an optional top-k MoE block.
 
-Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x are one module with a few switches read from the
-config (ModelArgs): q/k RMSNorm (Qwen3), q/k/v bias (Qwen2, or attention_bias), o_proj bias
+Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5, Llama 3.x and DeepSeek-V3 are one module with a few switches read
+from the config (ModelArgs): q/k RMSNorm (Qwen3), q/k/v bias (Qwen2, or attention_bias), o_proj bias
 (attention_bias outside Qwen2), MLP bias (Llama's mlp_bias), and the RoPE type (pipeline/models/rope.py).
+DeepSeek-V3 layers take Multi-head Latent Attention (pipeline/models/mla.py) and, from
+first_k_dense_replace on, the DeepSeek MoE block (pipeline/models/deepseek.py) instead.
 One module serves the trainer and the built-in engine. It runs on a flat stream of tokens; an
 attention context (pipeline.models.attention) says how the tokens group into sequences or attend to a
 KV cache, and an optional `MoeRouting` records or replays (R3) the experts each token is sent to.
@@ -109,13 +111,18 @@ class MoeRouting:
         self.mismatch: list[torch.Tensor] = []
         self.compared: list[torch.Tensor] = []
 
-    def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
-        if self.jitter:
-            gen = torch.Generator(logits_NE.device).manual_seed(moe_idx)
-            noise = torch.randn(logits_NE.shape, generator=gen, device=logits_NE.device)
-            logits_NE = logits_NE + (self.jitter * noise).to(logits_NE.dtype)
-        probs_NE = kernels.softmax(logits_NE)
-        live_Nk = kernels.topk_indices(probs_NE, k)
+    def perturb(self, moe_idx: int, logits_NE: torch.Tensor) -> torch.Tensor:
+        """Router logits with the fault injection's noise (engine_router_jitter; unchanged without it)."""
+        if not self.jitter:
+            return logits_NE
+        gen = torch.Generator(logits_NE.device).manual_seed(moe_idx)
+        noise = torch.randn(logits_NE.shape, generator=gen, device=logits_NE.device)
+        return logits_NE + (self.jitter * noise).to(logits_NE.dtype)
+
+    def select(self, moe_idx: int, choice_NE: torch.Tensor, k: int) -> torch.Tensor:
+        """The experts [N, k] of MoE layer `moe_idx`: the live top-k of `choice_NE` (whatever the router
+        ranks by), compared with the trace, replaced by it when replaying, and recorded."""
+        live_Nk = kernels.topk_indices(choice_NE, k)
         idx_Nk = live_Nk
         if self.trace_NLk is not None:
             trace_Nk = self.trace_NLk[:, moe_idx].long()
@@ -127,6 +134,12 @@ class MoeRouting:
                 idx_Nk = torch.where(known_N1, trace_Nk, live_Nk)
         if self.record:
             self.recorded.append(idx_Nk.detach())
+        return idx_Nk
+
+    def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
+        """Qwen3-MoE's router: softmax, top-k, the chosen probabilities (renormalised if norm_topk)."""
+        probs_NE = kernels.softmax(self.perturb(moe_idx, logits_NE))
+        idx_Nk = self.select(moe_idx, probs_NE, k)
         weights_Nk = probs_NE.gather(-1, idx_Nk)
         if norm_topk:
             weights_Nk = weights_Nk / weights_Nk.sum(-1, keepdim=True)
@@ -157,25 +170,43 @@ class SparseMoeBlock(nn.Module):
             idx_Nk, w_Nk = default_route(logits_NE, self.top_k, self.norm_topk)
         else:
             idx_Nk, w_Nk = routing.route(moe_idx, logits_NE, self.top_k, self.norm_topk)
-        out_ND = torch.zeros_like(x_ND)
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.where(idx_Nk == e)
-            if tok.numel() == 0:
-                # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
-                out_ND = out_ND + 0.0 * expert(x_ND[:0]).sum()
-                continue
-            y = expert(x_ND[tok]) * w_Nk[tok, slot, None]
-            out_ND = out_ND.index_add(0, tok, y.to(out_ND.dtype))
-        return out_ND
+        return combine_experts(self.experts, x_ND, idx_Nk, w_Nk)
+
+
+def combine_experts(experts: nn.ModuleList, x_ND: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+    """sum over a token's k slots of w * expert(x), expert by expert in id order."""
+    out_ND = torch.zeros_like(x_ND)
+    for e, expert in enumerate(experts):
+        tok, slot = torch.where(idx_Nk == e)
+        if tok.numel() == 0:
+            # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
+            out_ND = out_ND + 0.0 * expert(x_ND[:0]).sum()
+            continue
+        y = expert(x_ND[tok]) * w_Nk[tok, slot, None]
+        out_ND = out_ND.index_add(0, tok, y.to(out_ND.dtype))
+    return out_ND
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+    """Decoder layer `layer_idx` (its attention reads the context's cache of that layer). `moe`: the MLP
+    is an MoE block routed as MoE layer `moe_idx` (default: as the model's layer layer_idx is)."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, moe_idx: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.moe_idx = args.moe_layers.index(layer_idx) if args.is_moe_layer(layer_idx) else -1
-        self.self_attn = Attention(args)
-        self.mlp = (SparseMoeBlock(args) if self.moe_idx >= 0
+        if moe_idx is None:
+            moe_idx = args.moe_layers.index(layer_idx) if args.is_moe_layer(layer_idx) else -1
+        self.moe_idx = moe_idx
+        if args.is_mla:
+            from pipeline.models.deepseek import DeepseekMoE
+            from pipeline.models.mla import MLAttention
+
+            self.self_attn = MLAttention(args)
+            moe_block = DeepseekMoE
+        else:
+            self.self_attn = Attention(args)
+            moe_block = SparseMoeBlock
+        self.mlp = (moe_block(args) if self.moe_idx >= 0
                     else MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -260,7 +291,7 @@ class Qwen3ForCausalLM(nn.Module):
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError
-from pipeline.models.config import QWEN_VOCAB, REAL_SIZES, ModelArgs, model_preset
+from pipeline.models.config import ModelArgs, model_preset
 
 GIB = float(1 << 30)
 
@@ -222,7 +222,7 @@ def model_args(cfg: RunConfig) -> ModelArgs:
         return dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_layers)
     from pipeline.models.tokenizer import TINY_CHARS, TINY_SPECIALS
 
-    vocab = QWEN_VOCAB if cfg.model.init in REAL_SIZES else len(TINY_SPECIALS) + len(TINY_CHARS)
+    vocab = len(TINY_SPECIALS) + len(TINY_CHARS)  # real sizes pad it to their own vocabulary (model_preset)
     return model_preset(cfg.model.init, vocab, None, 0, 0, mtp_layers=cfg.model.mtp_num_layers)
 
 

@@ -146,6 +146,9 @@ class ModelArgs:
 
     @property
     def is_moe(self) -> bool:
+        """The model has MoE layers (a DeepSeek-V3 whose first_k_dense_replace covers every layer has none)."""
+        if self.is_mla:
+            return self.num_experts > 0 and self.first_k_dense_replace < self.num_hidden_layers
         return self.num_experts > 0
 
     @property
@@ -268,7 +271,21 @@ REAL_SIZES = {
                             moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False),
 }
 QWEN_VOCAB = 151936
-PRESETS = ("tiny-dense", "tiny-moe", *REAL_SIZES)
+DEEPSEEK_VOCAB = 129280
+# DeepSeek-V3's layer at its real widths (MLA: 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk dims
+# 128 + 64, v 128; MoE: 256 routed experts of 2048 in 8 groups, top-8 within the best 4 groups, one
+# shared expert, routed scaling 2.5; the first layer dense with intermediate 18432; untied embeddings,
+# vocab 129280) with 4 of its 61 layers + ... see the sizing note below REAL_SIZES.
+DEEPSEEK_V3_LAYER = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=192,
+                         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128, rope_interleave=True, intermediate_size=18432, num_experts=256,
+                         num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, n_group=8,
+                         topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                         tie_word_embeddings=False, family="deepseek_v3", vocab_size=DEEPSEEK_VOCAB,
+                         rope_theta=10_000.0, rms_norm_eps=1e-6)
+REAL_SIZES["deepseek-v3-small"] = dict(DEEPSEEK_V3_LAYER, num_hidden_layers=2)
+TINY_PRESETS = ("tiny-dense", "tiny-moe", "deepseek-v3-tiny")
+PRESETS = (*TINY_PRESETS, *REAL_SIZES)
 
 
 def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
@@ -278,9 +295,9 @@ def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, p
     tokenizer's, `mtp_layers` the MTP draft layers."""
     special = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, mtp_num_hidden_layers=mtp_layers)
     if name in REAL_SIZES:
-        shape = {"tie_word_embeddings": True, **REAL_SIZES[name]}
-        return ModelArgs(vocab_size=max(vocab_size, QWEN_VOCAB), max_position_embeddings=4096, rope_theta=1e6,
-                         **shape, **special)
+        shape = {"tie_word_embeddings": True, "vocab_size": QWEN_VOCAB, "rope_theta": 1e6, **REAL_SIZES[name]}
+        shape["vocab_size"] = max(vocab_size, shape["vocab_size"])
+        return ModelArgs(max_position_embeddings=4096, **shape, **special)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -297,4 +314,11 @@ def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, p
         return ModelArgs(**common)
     if name == "tiny-moe":
         return ModelArgs(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    if name == "deepseek-v3-tiny":  # DeepSeek-V3's structure at tiny-moe's scale: MLA with a q LoRA, a dense
+        # first layer, then 8 routed experts in 4 groups (top-2 within the best 2 groups) + 1 shared
+        mla = dict(num_key_value_heads=4, head_dim=16 + 8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, family="deepseek_v3", num_hidden_layers=3)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4,
+                   topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+        return ModelArgs(**{**common, **mla}, **moe)
     raise UserError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, or set model.path")

@@ -26,7 +26,7 @@ from pipeline.models.flat import flatten_parameters
 from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
-from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
+from pipeline.rollout.engine.kv_cache import CacheAttention, make_cache
 from pipeline.rollout.engine.sampling import sample
 
 
@@ -171,7 +171,7 @@ class Engine:
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = list(eos_token_ids)
-        self.cache = KVCache(self.args, max_running, context_length, dtype, device)
+        self.cache = make_cache(self.args, max_running, context_length, dtype, device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.cv = threading.Condition()
@@ -519,7 +519,7 @@ class Engine:
 
     def _cache_tensors(self) -> list[torch.Tensor]:
         caches = [self.cache] + ([self.spec.cache] if self.spec else [])
-        return [t for c in caches for t in c.k + c.v]
+        return [t for c in caches for t in c.tensors()]
 
     def _resume_weights(self) -> None:
         for flat in self.flat_weights:

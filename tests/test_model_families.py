@@ -141,8 +141,8 @@ def test_legacy_rope_type_key_was_the_silent_case(tmp_path):
         torch.testing.assert_close(a, hf_model(scaled)(ids).logits, rtol=1e-5, atol=2e-5)
 
 
-def test_moe_family_is_qwen3_only():
-    with pytest.raises(UserError, match="Qwen3-MoE family only"):
+def test_moe_family_is_qwen3_or_deepseek_only():
+    with pytest.raises(UserError, match="Qwen3-MoE and DeepSeek-V3 families only"):
         ModelArgs(**TINY, family="llama", **MOE)
 
 

@@ -227,6 +227,8 @@ def model_args(cfg: RunConfig) -> ModelArgs:
 
 
 def _attention_params(a: ModelArgs) -> int:
+    if a.is_mla:
+        return a.attention_params()
     h, hd = a.hidden_size, a.head_dim
     qd, kd = a.num_attention_heads * hd, a.num_key_value_heads * hd
     bias = (qd + 2 * kd + h) if a.attention_bias else 0  # q, k, v, o
@@ -237,6 +239,9 @@ def layer_params(a: ModelArgs, i: int) -> tuple[int, int]:
     """(dense, expert) parameters of decoder layer i: attention, norms, dense MLP or router; experts."""
     h = a.hidden_size
     dense = _attention_params(a) + 2 * h
+    if a.is_mla:  # DeepSeek-V3: the router's correction bias and the shared experts are dense too
+        mlp_dense, experts = a.mlp_params(i)
+        return dense + mlp_dense, experts
     if a.is_moe_layer(i):
         return dense + a.num_experts * h, a.num_experts * 3 * h * a.moe_intermediate_size
     return dense + 3 * h * a.intermediate_size, 0
@@ -262,6 +267,18 @@ def _norm_bytes(width: int, rows: int, c: int) -> int:
     return (NORM_FP32_BYTES + c) * width + NORM_FP32_BYTES * rows
 
 
+def mla_activation_bytes(a: ModelArgs, c: int) -> float:
+    """Bytes per token an MLA block keeps for backward, its input norm excluded (pipeline/models/mla.py;
+    PackedCausal's grid path: flash attention's varlen kernel takes equal q/k and v head dims only)."""
+    H, D, V = a.num_attention_heads, a.head_dim, a.v_head_dim
+    C, R, ql = a.kv_lora_rank, a.qk_rope_head_dim, a.q_lora_rank or 0
+    q = _norm_bytes(ql, 1, c) + c * ql if ql else 0  # q_a_layernorm, and its output (q_b_proj's input)
+    kv = _norm_bytes(C, 1, c) + c * (C + R)  # kv_a_layernorm, the latent row (kv_b_proj's input)
+    # q, the expanded keys and values scattered into the [B, T] grid the attention keeps, its output and
+    # log-sum-exp, the output gathered back (o_proj's input); RoPE keeps only the shared cos / sin
+    return q + kv + c * H * (2 * D + V) + 2 * c * H * V + ATTN_LSE_BYTES * H
+
+
 def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
     """Bytes per token that decoder layer i keeps for backward (pipeline/models/qwen3.py, default kernels,
     flash attention's varlen path); tests/test_memory.py compares it with what autograd saves."""
@@ -272,6 +289,19 @@ def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
     # q and k: their norm, and the RoPE'd tensor flash attention keeps (RoPE's products keep only the
     # shared cos / sin); q also attention's output (read by o_proj), k also v.
     attn = norm + _norm_bytes(qd, H, c) + _norm_bytes(kd, K, c) + 2 * c * (qd + kd) + ATTN_LSE_BYTES * H
+    if a.is_mla:
+        attn = norm + mla_activation_bytes(a, c)
+    if a.is_moe_layer(i) and a.is_mla:
+        k, e = a.num_experts_per_tok, a.num_experts
+        # the fp32 router (deepseek.TopkRouter): the fp32 copy of its input, the sigmoid scores, the
+        # expert mask (bool), each group's two best (int64 ids) and score, the chosen ids (int64), weights
+        # and their sum; per (token, expert) pair as Qwen3-MoE's below with an fp32 routing weight; the
+        # shared experts' gate / silu / up / product
+        g = a.n_group if a.topk_group < a.n_group else 0
+        router = 4 * h + (ROUTER_PROB_BYTES + 1) * e + 20 * g + 20 * k + 4
+        pair = 12 + 3 * c * h + 4 * c * a.moe_intermediate_size  # the token ids (int64), the fp32 weight
+        shared = 4 * c * a.moe_intermediate_size * a.n_shared_experts
+        return attn + norm + router + k * pair + shared
     if a.is_moe_layer(i):
         k = a.num_experts_per_tok
         # the router: fp32 softmax, top-k ids (int64), the chosen fp32 weights and their sum (norm_topk)
@@ -357,12 +387,19 @@ def engine_memory(a: ModelArgs, cfg: RunConfig, gpu_bytes: float) -> EngineMemor
         weights = total * c
     context = cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len
     kv_layers = a.num_hidden_layers + (1 if e.speculative_algorithm else 0)  # the draft head's own cache
-    kv = 2 * kv_layers * e.max_running_requests * a.num_key_value_heads * context * a.head_dim * c
+    if a.is_mla:  # LatentCache: one latent row (kv_lora_rank + qk_rope_head_dim) per token and layer
+        kv = kv_layers * e.max_running_requests * context * (a.kv_lora_rank + a.qk_rope_head_dim) * c
+    else:
+        kv = 2 * kv_layers * e.max_running_requests * a.num_key_value_heads * context * a.head_dim * c
     h = a.hidden_size
     if a.is_moe:  # live inside one layer of a prefill: residual, normed input, routed copies and expert MLPs
         live = 2 * h * c + a.num_experts_per_tok * (2 * h + 3 * a.moe_intermediate_size) * c + 4 * a.num_experts
+        if a.is_mla:  # fp32 routed outputs, the shared experts
+            live += a.num_experts_per_tok * 4 * h + 3 * a.moe_intermediate_size * a.n_shared_experts * c
     else:
         live = (2 * h + 3 * a.intermediate_size) * c
+    if a.is_mla:  # a prefill expands every latent row to all heads' keys and values (kv_b's output, keys, values)
+        live = max(live, a.num_attention_heads * (a.qk_nope_head_dim + 2 * a.head_dim + 2 * a.v_head_dim) * c)
     workspace = ENGINE_PREFILL_TOKENS * live + e.max_running_requests * a.vocab_size * SAMPLING_BYTES
     return EngineMemory(weights=weights, kv_cache=kv, workspace=workspace, context=ENGINE_CONTEXT_GIB * GIB)
 

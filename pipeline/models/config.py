@@ -272,10 +272,16 @@ REAL_SIZES = {
 }
 QWEN_VOCAB = 151936
 DEEPSEEK_VOCAB = 129280
-# DeepSeek-V3's layer at its real widths (MLA: 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk dims
-# 128 + 64, v 128; MoE: 256 routed experts of 2048 in 8 groups, top-8 within the best 4 groups, one
-# shared expert, routed scaling 2.5; the first layer dense with intermediate 18432; untied embeddings,
-# vocab 129280) with 4 of its 61 layers + ... see the sizing note below REAL_SIZES.
+# deepseek-v3-small: DeepSeek-V3's layers at their real widths (MLA: 128 heads, q_lora_rank 1536,
+# kv_lora_rank 512, qk dims 128 + 64, v 128, RoPE on interleaved pairs; the router: 256 routed experts in
+# 8 groups, top-8 within the best 4 groups, correction bias, routed scaling 2.5, one shared expert;
+# layer 0 dense with intermediate 18432; untied embeddings, vocabulary 129280) with three layers (0
+# dense, 1 and 2 MoE) and one change: the experts' intermediate size is 128, not 2048. At 2048 one MoE
+# layer alone holds 256 x 3 x 7168 x 2048 = 11.3B parameters, 180 GB of fp32 weights, gradients and
+# AdamW states: no layer count of DeepSeek-V3's own MoE layer trains on one 141 GB GPU.
+# pipeline/config/memory.py at configs/bench-0.5b.yaml's sizes with engine.colocated and
+# train.recompute_activations (4.2B parameters): ~123 GiB of ~139, 10% to spare; a fourth layer ~136;
+# two layers with the experts at 256: ~127. Without recompute ~137, colocated alone ~131.
 DEEPSEEK_V3_LAYER = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=192,
                          q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                          v_head_dim=128, rope_interleave=True, intermediate_size=18432, num_experts=256,
@@ -283,7 +289,7 @@ DEEPSEEK_V3_LAYER = dict(hidden_size=7168, num_attention_heads=128, num_key_valu
                          topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
                          tie_word_embeddings=False, family="deepseek_v3", vocab_size=DEEPSEEK_VOCAB,
                          rope_theta=10_000.0, rms_norm_eps=1e-6)
-REAL_SIZES["deepseek-v3-small"] = dict(DEEPSEEK_V3_LAYER, num_hidden_layers=2)
+REAL_SIZES["deepseek-v3-small"] = dict(DEEPSEEK_V3_LAYER, num_hidden_layers=3, moe_intermediate_size=128)
 TINY_PRESETS = ("tiny-dense", "tiny-moe", "deepseek-v3-tiny")
 PRESETS = (*TINY_PRESETS, *REAL_SIZES)
 

@@ -327,6 +327,92 @@ def test_deepseek_fields_lockstep_does_not_implement_are_refused_by_name(cfg, fr
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+# ---- FP8 block-quantized checkpoints ----------------------------------------------------------------
+
+FP8_DIMS = dict(hidden_size=160, intermediate_size=272, moe_intermediate_size=136, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=2, topk_group=1,
+                q_lora_rank=136, kv_lora_rank=144, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+PUBLISHED_FP8 = DEEPSEEK_V3["quantization_config"]
+
+
+def _published_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's FP8 weight: e4m3 values and one fp32 scale per 128 x 128 block (block amax / 448),
+    written here with plain torch, independently of Lockstep's kernels."""
+    out, inp = w.shape
+    bo, bi = -(-out // 128), -(-inp // 128)
+    padded = torch.nn.functional.pad(w.float(), (0, bi * 128 - inp, 0, bo * 128 - out))
+    amax = padded.view(bo, 128, bi, 128).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    full = scale.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale
+
+
+def _rewrite(src: str, dst: str, fp8: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """src's weights with every decoder-layer projection in the published FP8 layout (fp8), or replaced
+    by its dequantised value q x scale (the copy to compare with). Returns the FP8 pairs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    out, pairs = {}, {}
+    for name, t in state.items():
+        if ".layers." in name and name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+            q, s = pairs[name] = _published_fp8(t)
+            full = s.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]]
+            out.update({name: q, name + "_scale_inv": s} if fp8 else {name: q.float() * full})
+        else:
+            out[name] = t
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    if fp8:
+        cfg = json.load(open(os.path.join(dst, "config.json")))
+        json.dump(dict(cfg, quantization_config=PUBLISHED_FP8), open(os.path.join(dst, "config.json"), "w"))
+    return pairs
+
+
+def test_fp8_checkpoint_loads_to_its_dequantised_weights_and_an_fp8_engine_keeps_it(tmp_path):
+    """A checkpoint in DeepSeek-V3's published FP8 layout (e4m3 projections with 128 x 128
+    weight_scale_inv, blocks cut at the edges, quantization_config quant_method fp8) loads to exactly the
+    weights of its dequantised copy (training starts there); an FP8 engine holds the checkpoint's own
+    e4m3 bytes and scales; the FP8 export writes the same layout back, bit for bit."""
+    from safetensors.torch import load_file
+
+    from pipeline.models.fp8 import block_fp8_state
+    from pipeline.models.hf_config import BLOCK_FP8_CONFIG
+
+    src = ds_checkpoint(str(tmp_path / "src"), **FP8_DIMS)
+    pairs = _rewrite(src, str(tmp_path / "fp8"), fp8=True)
+    _rewrite(src, str(tmp_path / "deq"), fp8=False)
+    assert len(pairs) == 2 * 5 + 3 + 4 * 3 + 3  # MLA x 2 layers, dense MLP, 4 experts, shared expert
+    assert any(s.shape == (2, 2) for _, s in pairs.values())  # 160 and 272 wide: partial edge blocks
+    args, fp8_model = load_model(str(tmp_path / "fp8"))
+    _, deq_model = load_model(str(tmp_path / "deq"))
+    a, b = fp8_model.state_dict(), deq_model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(t.dtype == torch.float32 for t in a.values())
+    # an FP8 engine's model: the checkpoint's pairs, untouched
+    _, engine_model = load_model(str(tmp_path / "fp8"), quantization="fp8")
+    held = dict(engine_model.named_parameters())
+    for name, (q, s) in pairs.items():
+        assert held[name].dtype == torch.float8_e4m3fn
+        assert torch.equal(held[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(held[name + "_scale_inv"], s)
+    requantised = load_model(str(tmp_path / "deq"), quantization="fp8")[1]  # e4m3 x scale round-trips exactly
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours_logits(engine_model, ids), ours_logits(requantised, ids))
+    mla = engine_model.model.layers[0].self_attn  # absorbed decode reads kv_b_proj dequantised
+    assert torch.equal(mla.kv_b_weight(), b["model.layers.0.self_attn.kv_b_proj.weight"])
+    # the export in the same layout
+    save_model(block_fp8_state(a), args, str(tmp_path / "out"), quantization_config=dict(BLOCK_FP8_CONFIG))
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, (q, s) in pairs.items():
+        assert torch.equal(written[name].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(written[name + "_scale_inv"], s)
+    assert json.load(open(tmp_path / "out" / "config.json"))["quantization_config"] == PUBLISHED_FP8
+    _, back = load_model(str(tmp_path / "out"))
+    assert all(torch.equal(back.state_dict()[k], a[k]) for k in a)
+
+
 # ---- whole runs -------------------------------------------------------------------------------------
 
 def _run(tmp_path, path, *extra, steps=3):

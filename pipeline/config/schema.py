@@ -487,6 +487,10 @@ class CheckpointConfig:
     save_final: bool = True
     """Save a checkpoint when the run ends (false: only every save_interval steps, and on pre-emption;
     for short benchmark runs, whose final write of weights and optimizer states would dominate)."""
+    export_quantization: Literal["none", "fp8"] = "none"
+    """The run_dir/hf export's linear weights: none (model.dtype), or fp8: blockwise e4m3 with one fp32
+    `weight_scale_inv` per 128 x 128 block and quantization_config quant_method fp8 (DeepSeek-V3's
+    published layout, which model.path reads back and SGLang serves)."""
 
     def __post_init__(self):
         if self.save_interval < 0:
@@ -613,6 +617,9 @@ class RunConfig:
             if self.engine.type == "sglang" and self.engine.quantization != "fp8":
                 raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
                                   " engines too (engine.quantization=fp8)")
+        if self.checkpoint.export_quantization == "fp8" and t.int4_qat:
+            raise ConfigError("checkpoint.export_quantization=fp8 and train.int4_qat exclude each other: the INT4 QAT"
+                              " export is packed W4A16; set checkpoint.export_quantization=none")
         if t.compile and self.determinism.true_on_policy:
             raise ConfigError("train.compile and determinism.true_on_policy exclude each other: compiled (fused)"
                               " kernels round differently from the engine's batch-invariant ones")

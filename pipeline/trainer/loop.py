@@ -469,6 +469,11 @@ class Trainer:
             qcfg = None
             if self.cfg.train.int4_qat:  # packed W4A16, the checkpoint an INT4 rollout engine serves
                 state, qcfg = w4a16_state(state, self.cfg.train.int4_group_size, int4_scale_dtype(self.cfg))
+            elif self.cfg.checkpoint.export_quantization == "fp8":  # DeepSeek-V3's blockwise FP8 layout
+                from pipeline.models.fp8 import block_fp8_state
+                from pipeline.models.hf_config import BLOCK_FP8_CONFIG
+
+                state, qcfg = block_fp8_state(state), dict(BLOCK_FP8_CONFIG)
             save_model(state, self.backend.args, self.layout.hf_export, tokenizer_dir=self.layout.model_dir(self.cfg),
                        quantization_config=qcfg)
 

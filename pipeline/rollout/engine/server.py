@@ -334,7 +334,8 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tdtype = getattr(torch, dtype)
     with clock.phase("load"):
-        _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers)
+        # an FP8 engine keeps an FP8 checkpoint's own weights (the Engine quantises the rest)
+        _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers, quantization=quantization)
         tokenizer = load_tokenizer(model_path)
     graph_bs = 0 if dev.type != "cuda" else (max_running if cuda_graph_max_bs is None else cuda_graph_max_bs)
     with clock.phase("engine"):  # flat weights, KV cache

@@ -327,6 +327,43 @@ def test_deepseek_fields_lockstep_does_not_implement_are_refused_by_name(cfg, fr
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+# ---- the nextn (MTP) layer -------------------------------------------------------------------------
+
+def test_nextn_layer_is_the_mtp_head_and_speculative_decoding_is_exact(tmp_path):
+    """DeepSeek-V3's nextn layer (model.layers.<num_hidden_layers>: enorm, hnorm, eh_proj, an MoE decoder
+    layer, shared_head, embedding / head copies) round-trips through the MTP head's mtp.* names; the
+    engine drafts with it over a latent cache of its own, and in true on-policy mode speculative decoding
+    gives plain decoding's tokens, logprobs and R3 traces bit for bit."""
+    from test_speculative import PROMPTS, engine_for, generate, params_with_stops
+
+    import lockstep_kernels as kernels
+    from pipeline.models.deepseek import DeepseekMoE
+
+    _, model = load_model(ds_checkpoint(str(tmp_path / "in"), seed=2, q_lora_rank=24), mtp_layers=1)  # a fresh head
+    assert isinstance(model.mtp.layers[0].mlp, DeepseekMoE)  # the nextn layer is an MoE layer
+    save_model(model.state_dict(), model.args, str(tmp_path / "out"))
+    written = read_state_dict(str(tmp_path / "out"))
+    nextn = {k.removeprefix("model.layers.3.") for k in written if k.startswith("model.layers.3.")}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+            "embed_tokens.weight", "self_attn.q_a_proj.weight", "mlp.gate.e_score_correction_bias"} <= nextn
+    assert not any(k.startswith("mtp.") for k in written)
+    assert json.load(open(tmp_path / "out" / "config.json"))["num_nextn_predict_layers"] == 1
+    args, back = load_model(str(tmp_path / "out"))
+    assert args.mtp_num_hidden_layers == 1
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert load_model(str(tmp_path / "out"), mtp_layers=0)[0].mtp_num_hidden_layers == 0
+    with kernels.batch_invariant_mode(True):
+        params = params_with_stops(back, 1.0)
+        plain = generate(engine_for(back, 0), PROMPTS, params, routed=True)
+        spec_engine = engine_for(back, 3)
+        spec = generate(spec_engine, PROMPTS, params, routed=True)
+    assert type(spec_engine.spec.cache).__name__ == "LatentCache"
+    for a, b in zip(plain, spec):
+        assert (a.output_ids, a.output_logprobs, a.finish_reason) == (b.output_ids, b.output_logprobs, b.finish_reason)
+        assert torch.equal(torch.cat(a.routed), torch.cat(b.routed))
+    assert spec_engine.stats["spec_draft_tokens"] > 0
+
+
 # ---- FP8 block-quantized checkpoints ----------------------------------------------------------------
 
 FP8_DIMS = dict(hidden_size=160, intermediate_size=272, moe_intermediate_size=136, num_hidden_layers=2,

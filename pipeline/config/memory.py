@@ -254,10 +254,11 @@ def root_params(a: ModelArgs) -> int:
 
 
 def mtp_params(a: ModelArgs) -> int:
-    """The MTP head (pipeline/models/mtp.py): fc [h, 2h], three norms, one decoder layer like layer 0."""
+    """The MTP head (pipeline/models/mtp.py): fc [h, 2h], three norms, one decoder layer like layer 0
+    (DeepSeek-V3: like its nextn layer, an MoE layer)."""
     if not a.mtp_num_hidden_layers:
         return 0
-    dense, experts = layer_params(a, 0)
+    dense, experts = layer_params(a, a.num_hidden_layers if a.is_mla else 0)  # DeepSeek's nextn layer: MoE
     return 2 * a.hidden_size * a.hidden_size + 3 * a.hidden_size + dense + experts
 
 
@@ -348,7 +349,7 @@ def trainer_memory(a: ModelArgs, cfg: RunConfig) -> TrainerMemory:
         acts = sum(per_layer) + BACKWARD_LAYERS * biggest
     mtp = bool(a.mtp_num_hidden_layers) and t.mtp_loss_scaling_factor > 0 and t.backend == "fsdp"
     if mtp:
-        acts += layer_activation_bytes(a, 0, c)
+        acts += layer_activation_bytes(a, a.num_hidden_layers if a.is_mla else 0, c)
     acts *= n * act_share * (2 if critic else 1)  # PPO: the critic's graph is alive beside the policy's
     per_vocab = LOGIT_COPIES * c * (2 if mtp else 1) + (ENTROPY_BYTES if algo.entropy_coef > 0 else 0)
     logits = n * a.vocab_size * per_vocab / (t.tensor_model_parallel_size if t.backend == "megatron" else 1)

@@ -93,20 +93,60 @@ class DeepseekMoE(nn.Module):
 
 
 # ---- the checkpoint's MTP (nextn) layer -------------------------------------------------------------------
+# DeepSeek-V3 ships its MTP module as one more decoder layer, model.layers.<num_hidden_layers>, with
+# enorm / hnorm / eh_proj / shared_head.norm beside the decoder layer's own weights and copies of the
+# embedding and LM head (embed_tokens, shared_head.head). It computes what Lockstep's MTP head
+# (pipeline/models/mtp.py) computes: eh_proj([enorm(embedding of token i+1), hnorm(hidden state i)]), the
+# decoder layer, shared_head.norm, the shared LM head. Inside Lockstep it carries the head's `mtp.*`
+# names; checkpoints read and written keep DeepSeek's.
+NEXTN_TO_MTP = {"enorm.": "mtp.pre_fc_norm_embedding.", "hnorm.": "mtp.pre_fc_norm_hidden.", "eh_proj.": "mtp.fc.",
+                "shared_head.norm.": "mtp.norm."}
+NEXTN_COPIES = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
 
 def nextn_to_mtp(state: dict[str, torch.Tensor], args: ModelArgs, mtp_layers: int | None):
-    """A DeepSeek-V3 checkpoint's state and args as load_model builds them: the nextn layer
-    (model.layers.<num_hidden_layers>.*, num_nextn_predict_layers) dropped, unless asked for and present.
-    A config that names a nextn layer whose weights the checkpoint lacks (transformers writes
-    num_nextn_predict_layers=1 and no such layer) builds none unless one is asked for (then a fresh one)."""
+    """A DeepSeek-V3 checkpoint's state and args as load_model builds them: the nextn layer's weights
+    under the MTP head's names (its embedding and LM-head copies dropped: the head shares the model's),
+    or dropped when mtp_layers is 0. A config that names a nextn layer the checkpoint lacks
+    (transformers writes num_nextn_predict_layers=1 and no such layer) has no MTP head (load_model
+    adds a fresh one if one is asked for)."""
     import dataclasses
 
     prefix = f"model.layers.{args.num_hidden_layers}."
-    has_nextn = any(k.startswith(prefix) for k in state)
+    nextn = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     state = {k: v for k, v in state.items() if not _beyond_layers(k, args.num_hidden_layers)}
-    if args.mtp_num_hidden_layers and not has_nextn and mtp_layers is None:
+    if args.mtp_num_hidden_layers and not nextn:
         args = dataclasses.replace(args, mtp_num_hidden_layers=0)
+    if nextn and mtp_layers != 0 and args.mtp_num_hidden_layers:
+        for rest, t in nextn.items():
+            if rest not in NEXTN_COPIES:
+                state[_mtp_name(rest)] = t
     return state, args
+
+
+def mtp_to_nextn(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The reverse, for an export: mtp.* as model.layers.<num_hidden_layers>.*, with the embedding and
+    LM-head copies DeepSeek's checkpoints (and SGLang's NEXTN loader) carry."""
+    prefix = f"model.layers.{args.num_hidden_layers}."
+    out = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    mtp = {k: v for k, v in state.items() if k.startswith("mtp.")}
+    if not mtp:
+        return out
+    back = {v: k for k, v in NEXTN_TO_MTP.items()}
+    for name, t in mtp.items():
+        rest = next((back[m] + name[len(m):] for m in back if name.startswith(m)), None)
+        out[prefix + (rest if rest is not None else name.removeprefix("mtp.layers.0."))] = t
+    for copy, source in NEXTN_COPIES.items():
+        src = state.get(source, state["model.embed_tokens.weight"])  # a tied LM head is the embedding
+        out[prefix + copy] = src.clone()  # a copy on disk (safetensors refuses shared storage)
+    return out
+
+
+def _mtp_name(rest: str) -> str:
+    for theirs, ours in NEXTN_TO_MTP.items():
+        if rest.startswith(theirs):
+            return ours + rest[len(theirs):]
+    return "mtp.layers.0." + rest
 
 
 def _beyond_layers(name: str, n: int) -> bool:

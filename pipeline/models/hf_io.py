@@ -159,6 +159,10 @@ def save_model(
     from safetensors.torch import save_file
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    if args.is_mla:  # the MTP head as DeepSeek's nextn layer
+        from pipeline.models.deepseek import mtp_to_nextn
+
+        state = mtp_to_nextn(state, args)
     if dtype is not None:  # FP8 weights and their fp32 scales stay as they are
         state = {k: v.to(dtype) if v.is_floating_point() and v.itemsize > 1 and not k.endswith(SCALE_SUFFIX) else v
                  for k, v in state.items()}

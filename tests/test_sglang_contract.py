@@ -60,6 +60,10 @@ VARIANTS = {
     "mtp_nextn": ["model.mtp_num_layers=1", "engine.speculative_algorithm=NEXTN", "engine.speculative_num_steps=2"],
     "cuda_graph_bs": ["engine.cuda_graph_max_bs=48"],
     "no_cuda_graph": ["engine.disable_cuda_graph=true"],
+    # DeepSeek-V3 on one 8-GPU node: MLA attention backend, experts over 8 GPUs with DeepEP, DP attention
+    "deepseek_ep_dp_attention": ["model.init=deepseek-v3-tiny", "model.dtype=bfloat16", "engine.tp_size=8",
+                                 "engine.ep_size=8", "engine.attn_dp_size=8", "engine.attention_backend=flashmla",
+                                 "engine.moe_a2a_backend=deepep", "determinism.routing_replay=true"],
 }
 
 
@@ -91,6 +95,9 @@ def test_every_generated_server_command_line_is_accepted_by_sglang_server_args()
             want["cuda_graph_max_bs_decode"] = 48
         if name == "no_cuda_graph":
             want.update(cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled")
+        if name == "deepseek_ep_dp_attention":
+            want.update(ep_size=8, attn_dp_size=8, attention_backend="flashmla", moe_a2a_backend="deepep",
+                        enable_return_routed_experts=True)
         cases.append({"argv": argv, "expect": sorted(want)})
         expected.append((name, want))
     results = contract("server_args", cases)

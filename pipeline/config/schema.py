@@ -222,6 +222,15 @@ class SglangEngineConfig(EngineCommon):
     """SGLang --kv-cache-dtype (e.g. fp8_e4m3); null: auto."""
     chunked_prefill_size: int | None = None
     """SGLang --chunked-prefill-size; null: SGLang's default."""
+    ep_size: int = 1
+    """SGLang --ep-size: expert parallelism of MoE layers across an engine's tp_size GPUs (DeepSeek-V3,
+    Qwen3-MoE); must divide tp_size."""
+    attn_dp_size: int = 1
+    """SGLang --attn-dp-size: data-parallel attention groups inside the TP group, the FFN / experts stay
+    tensor or expert parallel (DP attention: MLA's one latent KV head is not split by TP, so DeepSeek-V3
+    engines hold its KV cache once per group, not once per GPU); must divide tp_size."""
+    moe_a2a_backend: str | None = None
+    """SGLang --moe-a2a-backend (e.g. deepep) for expert-parallel token dispatch; null: SGLang's default."""
     python: str = "python3"
     """Interpreter of the environment that has SGLang (its container's python on clusters)."""
     extra_args: list[str] = field(default_factory=list)
@@ -233,8 +242,12 @@ class SglangEngineConfig(EngineCommon):
 
     def __post_init__(self):
         super().__post_init__()
-        _positive("engine", tp_size=self.tp_size,
+        _positive("engine", tp_size=self.tp_size, ep_size=self.ep_size, attn_dp_size=self.attn_dp_size,
                   health_interval_s=self.health_interval_s, health_failures=self.health_failures)
+        for name in ("ep_size", "attn_dp_size"):
+            if self.tp_size % getattr(self, name):
+                raise ConfigError(f"engine.{name} ({getattr(self, name)}) must divide engine.tp_size ({self.tp_size}):"
+                                  f" SGLang splits an engine's tp_size GPUs into them")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"engine.mem_fraction_static must be in (0, 1) (got {self.mem_fraction_static})")
 

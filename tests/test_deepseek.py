@@ -450,6 +450,21 @@ def test_fp8_checkpoint_loads_to_its_dequantised_weights_and_an_fp8_engine_keeps
     assert all(torch.equal(back.state_dict()[k], a[k]) for k in a)
 
 
+# ---- megatron -----------------------------------------------------------------------------------------
+
+def test_megatron_refuses_deepseek_in_one_line(tmp_path):
+    """The megatron backend refuses DeepSeek-V3 before anything starts (a checkpoint or the preset)."""
+    from test_config import run_cli
+
+    path = ds_checkpoint(str(tmp_path / "m"), tokenizer=True, max_position_embeddings=512)
+    for model in (f"model.path={path}", "model.init=deepseek-v3-tiny"):
+        res = run_cli("run", "configs/tiny.yaml", model, f"run_dir={tmp_path}/run", "train.backend=megatron")
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert lines[0].startswith("lockstep: error: train.backend=megatron does not run deepseek_v3 models yet")
+    assert not os.path.exists(tmp_path / "run" / "logs" / "engine_0.log")
+
+
 # ---- whole runs -------------------------------------------------------------------------------------
 
 def _run(tmp_path, *extra, steps=3):

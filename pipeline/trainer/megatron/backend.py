@@ -84,6 +84,10 @@ class RankNamed(nn.Module):
 
 def check_config(cfg: RunConfig) -> None:
     t = cfg.train
+    if cfg.model.path is None and cfg.model.init.startswith("deepseek"):
+        from pipeline.trainer.megatron.model import DEEPSEEK_REFUSAL
+
+        raise ConfigError(DEEPSEEK_REFUSAL)
     refuse = {
         "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
         "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"

@@ -281,7 +281,7 @@ DEEPSEEK_VOCAB = 129280
 # AdamW states: no layer count of DeepSeek-V3's own MoE layer trains on one 141 GB GPU.
 # pipeline/config/memory.py at configs/bench-0.5b.yaml's sizes with engine.colocated and
 # train.recompute_activations (4.2B parameters): ~123 GiB of ~139, 10% to spare; a fourth layer ~136;
-# two layers with the experts at 256: ~127. Without recompute ~137, colocated alone ~131.
+# two layers with the experts at 256: ~127. Colocated alone ~142, recompute alone ~139, neither ~158.
 DEEPSEEK_V3_LAYER = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=192,
                          q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                          v_head_dim=128, rope_interleave=True, intermediate_size=18432, num_experts=256,

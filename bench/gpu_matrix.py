@@ -35,9 +35,10 @@ from pipeline.observability.metrics import read_metrics  # noqa: E402
 from pipeline.observability.report import step_split  # noqa: E402
 from pipeline.observability.startup import read_startup, time_to_first_step  # noqa: E402
 
-SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small"}
-TINY_SIZES = {"tiny": "tiny-dense", "tiny-moe": "tiny-moe"}
-PARTS = {1: ["0.5b", "1.7b"], 2: ["4b", "moe-small"]}
+SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small",
+         "ds-moe-small": "deepseek-v3-small"}
+TINY_SIZES = {"tiny": "tiny-dense", "tiny-moe": "tiny-moe", "tiny-ds-moe": "deepseek-v3-tiny"}
+PARTS = {1: ["0.5b", "1.7b"], 2: ["4b", "moe-small"], 3: ["ds-moe-small"]}
 
 # mode -> the overrides a user would set for it
 MODES = {
@@ -64,10 +65,11 @@ GPU_BASE = ["model.dtype=bfloat16", "train.device=cuda", "engine.device=cuda", "
 # What a user of a model this size sets anyway (the memory check names it when it is missing): the MoE
 # fits one GPU beside its engine only colocated (sync modes; the async ones are refused up front), so
 # its "colocated" cell is its default one and is not run twice.
-SIZE_EXTRA = {"4b": ["train.recompute_activations=true"], "moe-small": ["train.recompute_activations=true"]}
-SIZE_EXTRA_SYNC = {"moe-small": ["engine.colocated=true"]}
+SIZE_EXTRA = {"4b": ["train.recompute_activations=true"], "moe-small": ["train.recompute_activations=true"],
+              "ds-moe-small": ["train.recompute_activations=true"]}
+SIZE_EXTRA_SYNC = {"moe-small": ["engine.colocated=true"], "ds-moe-small": ["engine.colocated=true"]}
 ASYNC_MODES = {"one_step_off", "fully_async"}
-SKIP = {("moe-small", "colocated")}
+SKIP = {("moe-small", "colocated"), ("ds-moe-small", "colocated")}
 TINY_BASE = ["rollout.rollout_batch_size=8", "train.global_batch_size=64", "checkpoint.export_hf=false",
              "checkpoint.save_final=false", "logging.plot=false"]
 
@@ -89,8 +91,11 @@ def write_checkpoint(out_dir: str, preset: str, device: str) -> float:
     args = model_preset(preset, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     hf = {k: v for k, v in args.to_hf().items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
     moe = args.is_moe
-    config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**hf)
-    cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    if args.is_mla:  # DeepSeek-V3
+        config, cls = transformers.DeepseekV3Config(**hf), transformers.DeepseekV3ForCausalLM
+    else:
+        config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**hf)
+        cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
         model = cls._from_config(config, dtype=dtype)

@@ -188,8 +188,9 @@ def combine_experts(experts: nn.ModuleList, x_ND: torch.Tensor, idx_Nk: torch.Te
 
 
 class DecoderLayer(nn.Module):
-    """Decoder layer `layer_idx` (its attention reads the context's cache of that layer). `moe`: the MLP
-    is an MoE block routed as MoE layer `moe_idx` (default: as the model's layer layer_idx is)."""
+    """Decoder layer `layer_idx` (its attention reads the context's cache of that layer). `moe_idx` >= 0:
+    the MLP is an MoE block routed as MoE layer moe_idx, -1: dense (default: as the model's layer
+    layer_idx is; the MTP head's layer passes its own)."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, moe_idx: int | None = None):
         super().__init__()

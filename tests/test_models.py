@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.models.attention import PackedCausal
-from pipeline.models.config import ModelArgs
+from pipeline.models.config import ModelArgs, model_preset
 from pipeline.models.hf_io import load_model, read_state_dict, save_model
 from pipeline.models.qwen3 import MoeRouting
 from pipeline.models.tokenizer import load_tokenizer
@@ -144,3 +144,30 @@ def test_lockstep_packages_shadow_no_installed_distribution():
     from transformers.models.qwen3 import modeling_qwen3  # noqa: F401  (imports its hub-kernels integration)
 
     assert transformers.AutoConfig.for_model("qwen3").model_type == "qwen3"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_run_grouped_as_one_index_add_per_expert(dtype):
+    """run_experts (one host read of the per-expert counts per layer) computes, forward and backward, bit
+    for bit what one index_add per expert computed (one device sync per expert: 85 s of decode per step
+    for a 128-expert model on the H200)."""
+    from pipeline.models.qwen3 import SparseMoeBlock, default_route, run_experts
+
+    args = model_preset("tiny-moe", 100, None, 0, 0)
+    torch.manual_seed(0)
+    block = SparseMoeBlock(args).to(dtype)
+    x = torch.randn(37, args.hidden_size, dtype=dtype, requires_grad=True)
+    idx, w = default_route(block.gate(x), block.top_k, block.norm_topk)
+    ref = torch.zeros_like(x)
+    for e, expert in enumerate(block.experts):
+        tok, slot = torch.where(idx == e)
+        if tok.numel():
+            ref = ref.index_add(0, tok, (expert(x[tok]) * w[tok, slot, None]).to(dtype))
+    out = run_experts(block.experts, x, idx, w)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    params = [x, *block.experts.parameters()]
+    got = torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True)
+    want = torch.autograd.grad(ref, params, g, allow_unused=True)
+    assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(got, want))

@@ -157,16 +157,42 @@ class SparseMoeBlock(nn.Module):
             idx_Nk, w_Nk = default_route(logits_NE, self.top_k, self.norm_topk)
         else:
             idx_Nk, w_Nk = routing.route(moe_idx, logits_NE, self.top_k, self.norm_topk)
-        out_ND = torch.zeros_like(x_ND)
-        for e, expert in enumerate(self.experts):
-            tok, slot = torch.where(idx_Nk == e)
-            if tok.numel() == 0:
-                # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
-                out_ND = out_ND + 0.0 * expert(x_ND[:0]).sum()
-                continue
-            y = expert(x_ND[tok]) * w_Nk[tok, slot, None]
-            out_ND = out_ND.index_add(0, tok, y.to(out_ND.dtype))
-        return out_ND
+        return run_experts(self.experts, x_ND, idx_Nk, w_Nk)
+
+
+def run_experts(experts: nn.ModuleList, x_ND: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
+    """out[n] = sum over n's experts e, in ascending e, of (w[n, e] * expert_e(x[n])) in x's dtype.
+
+    Each expert runs once on its tokens, gathered in token order; the per-token sum adds in ascending
+    expert id with a rounding after each add (what one index_add per expert computes). The per-expert
+    token counts reach the host in one read per layer (a torch.where per expert read 128 counts one by
+    one: 1,152 device syncs per decode step of a 9-layer, 128-expert model)."""
+    n, k = idx_Nk.shape
+    flat_A = idx_Nk.reshape(-1)
+    order_A = torch.argsort(flat_A, stable=True)  # assignments grouped by expert, tokens ascending within
+    counts = torch.bincount(flat_A, minlength=len(experts)).tolist()
+    token_A = order_A // k
+    weight_A = w_Nk.reshape(-1)[order_A]
+    # where each assignment goes: row n, column = its expert's rank among n's experts
+    rank_Nk = torch.argsort(torch.argsort(idx_Nk, dim=1), dim=1)
+    dest_A = (torch.arange(n, device=idx_Nk.device)[:, None] * k + rank_Nk).reshape(-1)[order_A]
+    y_AD = x_ND.new_zeros(n * k, x_ND.shape[1])
+    unused = x_ND.new_zeros(())
+    start = 0
+    for expert, count in zip(experts, counts):
+        if count == 0:
+            # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
+            unused = unused + 0.0 * expert(x_ND[:0]).sum()
+            continue
+        rows = slice(start, start + count)
+        y = expert(x_ND[token_A[rows]]) * weight_A[rows, None]
+        y_AD = y_AD.index_copy(0, dest_A[rows], y.to(x_ND.dtype))
+        start += count
+    y_NkD = y_AD.view(n, k, -1)
+    out_ND = torch.zeros_like(x_ND) + unused
+    for j in range(k):
+        out_ND = out_ND + y_NkD[:, j]
+    return out_ND
 
 
 class DecoderLayer(nn.Module):

@@ -171,3 +171,20 @@ def test_moe_experts_run_grouped_as_one_index_add_per_expert(dtype):
     want = torch.autograd.grad(ref, params, g, allow_unused=True)
     assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                for a, b in zip(got, want))
+
+
+def test_entropy_in_row_chunks_equals_the_whole():
+    """Chunked entropy (fp32 temporaries of 1024 rows at a time, recomputed in backward) gives the
+    whole-batch values and gradients: a 16384 x 151936 micro-batch's entropy took 40 GB at once."""
+    from pipeline.models.logprobs import entropy
+
+    logits = torch.randn(300, 50, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    whole = entropy(logits, 0.7, chunk_rows=10_000)
+    chunked = entropy(logits, 0.7, chunk_rows=64)
+    assert torch.equal(whole, chunked)
+    g = torch.randn_like(whole)
+    (gw,) = torch.autograd.grad(whole, logits, g)
+    (gc,) = torch.autograd.grad(chunked, logits, g)
+    assert torch.equal(gw, gc)
+    with torch.no_grad():
+        assert torch.equal(entropy(logits, 0.7, chunk_rows=64), whole)

@@ -110,7 +110,7 @@ def test_cli_dataset_without_prompt_field(tmp_path):
     bad.write_text('{"question": "1+1=", "label": "2"}\n')
     res = run_cli("run", "configs/tiny.yaml", f"data.prompt_data={bad}", f"run_dir={tmp_path}/run")
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "no 'prompt' field (set data.input_key" in res.stderr
+    assert "no 'prompt' field (1: line 1)) (set data.input_key to the field that holds the prompt)" in res.stderr
 
 
 def test_cli_bad_yaml(tmp_path):

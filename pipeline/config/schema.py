@@ -44,6 +44,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.mtp_num_layers not in (0, 1):
             raise ConfigError(f"model.mtp_num_layers must be 0 or 1 (got {self.mtp_num_layers})")
+        if self.path is not None and not str(self.path).strip():
+            raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory, or leave it unset"
+                              " (null) to start from model.init")
 
 
 @dataclass
@@ -552,6 +555,10 @@ class SlurmConfig:
         _positive("slurm", time_min=self.time_min, signal_delay_s=self.signal_delay_s)
 
 
+GROUP_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the other responses to the same prompt."""
+
+
 @dataclass
 class RunConfig:
     run_dir: str = "runs/tiny"
@@ -625,6 +632,11 @@ class RunConfig:
         if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
             raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
                               " MTP head: set model.mtp_num_layers=1")
+        if r.n_samples_per_prompt < 2 and self.algo.advantage_estimator in GROUP_ESTIMATORS:
+            raise ConfigError(
+                f"algo.advantage_estimator={self.algo.advantage_estimator} compares each response with the others"
+                f" of its prompt, and rollout.n_samples_per_prompt=1 leaves none (every advantage 0): sample"
+                " several responses per prompt (e.g. 8), or use ppo / reinforce_plus_plus")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 
 from pipeline.config import RESOLVED_NAME, dump_config
 from pipeline.config.schema import RunConfig
@@ -33,8 +34,11 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
 
 
 def check_inputs(cfg: RunConfig) -> None:
+    """Everything a user brings, checked before anything starts: the checkpoint directory, its tokenizer
+    against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    vocab = None
     if cfg.model.path:
         if not os.path.isdir(cfg.model.path):
             raise UserError(f"model.path {cfg.model.path!r} is not a directory: point it at a Hugging Face checkpoint")
@@ -47,24 +51,44 @@ def check_inputs(cfg: RunConfig) -> None:
             from pipeline.trainer.megatron.model import check_model
 
             check_model(args)
+        check_weights_present(cfg.model.path)
         if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
             raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
-    with open(cfg.data.prompt_data) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                import json
+        vocab = args.vocab_size
+    check_data(cfg, vocab)
 
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise UserError(f"{cfg.data.prompt_data}:{lineno}: not valid JSON") from None
-                if not isinstance(row, dict) or cfg.data.input_key not in row:
-                    raise UserError(
-                        f"{cfg.data.prompt_data}:{lineno}: no {cfg.data.input_key!r} field"
-                        f" (set data.input_key to the field that holds the prompt)")
-                break
-        else:
-            raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} is empty")
+
+def check_weights_present(model_dir: str) -> None:
+    names = os.listdir(model_dir)
+    if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
+        return
+    legacy = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+    fix = (f"it has {legacy[0]}: save it as safetensors (transformers: model.save_pretrained(dir))" if legacy
+           else "the directory has config.json but no weight files (an interrupted download?)")
+    raise UserError(f"model.path {model_dir!r} has no *.safetensors weights: {fix}")
+
+
+def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
+    """Parse and tokenize every prompt row as the rollout manager will: data.on_bad_row=error stops here
+    in one line; skipped rows are reported once (count per reason, first lines)."""
+    import tempfile
+
+    from pipeline.models.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from pipeline.rollout.data import PromptDataset
+
+    if cfg.model.path:
+        tok = load_tokenizer(cfg.model.path)
+    else:
+        with tempfile.TemporaryDirectory() as d:  # model.init's tokenizer (written with the model later)
+            tok = build_tiny_tokenizer(d)
+    if model_vocab is not None and tok.vocab_size > model_vocab:
+        raise UserError(f"model.path {cfg.model.path!r}: the tokenizer has {tok.vocab_size} tokens but the model's"
+                        f" embedding only {model_vocab} rows: they do not belong together")
+    stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
+    if stats.skipped:
+        print(f"lockstep: {stats.report()}", file=sys.stderr)
+    else:
+        log.info("lockstep: %s", stats.report())
 
 
 def check_memory(cfg: RunConfig, profile=None) -> None:

@@ -81,6 +81,7 @@ class RolloutManager:
         self.args = read_model_args(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed)
+        log.info("%s", self.dataset.stats.report())
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
         urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)

@@ -214,6 +214,25 @@ def test_sinks_agree_on_keys_and_handle_non_numeric_values(tmp_path):
     assert run["config"]["rollout/note"] == "text 2"  # strings: W&B run config (last value)
 
 
+def test_a_resume_keeps_one_value_per_step_in_each_sink(tmp_path):
+    """The sinks alone, as a resumed trainer opens them: start_step=1 re-runs steps 1 and 2."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    cfg = load_config("configs/tiny.yaml", [f"run_dir={run_dir}", *TRACKED[:3]])
+    for start, stop, loss in ((0, 3, 1.0), (1, 4, 2.0)):
+        sinks = open_sinks(cfg, run_dir, start_step=start)
+        for step in range(start, stop):
+            sinks.write({"step": step, "train/loss": loss + step})
+        sinks.close()
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(run_dir)] == [(0, 1.0), (1, 3.0), (2, 4.0), (3, 5.0)]
+    assert tb_scalars(run_dir)["train/loss"] == [(0, 1.0), (1, 3.0), (2, 4.0), (3, 5.0)]
+    first, second = wandb_runs(run_dir)  # W&B: re-run steps keep their first values
+    assert first["id"] == second["id"]
+    assert {s: h["train/loss"] for s, h in {**first["history"], **second["history"]}.items()} == {
+        0: 1.0, 1: 2.0, 2: 3.0, 3: 5.0}
+    assert sorted(second["history"]) == [3]
+
+
 def test_miles_aliases_can_be_turned_off(tmp_path):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)

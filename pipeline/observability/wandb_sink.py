@@ -64,4 +64,9 @@ class WandbSink:
         atomic_write_json(self.state_path, self.state)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before wandb-core has written the run's records (offline: the .wandb file
+        # held only its header for a moment); teardown waits for them and ends the service process.
+        wandb.teardown()

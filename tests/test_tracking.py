@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from pipeline.config import load_config
 from pipeline.observability.metrics import read_metrics
 from pipeline.observability.miles_names import MILES_ALIASES
 from pipeline.observability.sinks import open_sinks
-from pipeline.observability.wandb_sink import wandb_state
+from pipeline.observability.wandb_sink import read_wandb_file, wandb_state
 
 from conftest import REPO
 
@@ -39,7 +38,9 @@ def wandb_offline(tmp_path, monkeypatch):
 # ---- the trackers' own readers ---------------------------------------------------------------------
 
 def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] as TensorBoard shows them (purges of re-run steps applied)."""
+    """tag -> [(step, value)] as TensorBoard shows them (purges of re-run steps applied). (W&B 0.31 has no
+    Python reader of its .wandb files any more; the sink's read_wandb_file parses them into wandb's own
+    protobuf records.)"""
     from tensorboard.backend.event_processing import event_accumulator as ea
 
     acc = ea.EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
@@ -49,30 +50,6 @@ def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def wandb_records(path: str):
-    """The records of a .wandb file (a LevelDB-style log of wandb's own protobuf Records: a 7-byte
-    ':W&B' header, then 32 KiB blocks of chunks with a 7-byte header: crc32c, length, type)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B", data[:7]
-    pos, block, buf = 7, 32768, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:  # block trailer
-            pos += left
-            continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
-        if kind == 0:  # zero padding
-            continue
-        buf = chunk if kind in (1, 2) else buf + chunk  # FULL / FIRST start a record, MIDDLE / LAST extend it
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(buf)
-            yield record
-
-
 def wandb_runs(run_dir) -> list[dict]:
     """Each offline run directory's id, config and history ({step: {key: value}}), oldest first."""
     root = os.path.join(run_dir, "wandb")
@@ -80,7 +57,7 @@ def wandb_runs(run_dir) -> list[dict]:
     for name in sorted(d for d in os.listdir(root) if d.startswith("offline-run-")):
         (path,) = [os.path.join(root, name, f) for f in os.listdir(os.path.join(root, name)) if f.endswith(".wandb")]
         run = {"dir": name, "id": None, "config": {}, "history": {}}
-        for r in wandb_records(path):
+        for r in read_wandb_file(path):
             kind = r.WhichOneof("record_type")
             if kind == "run":
                 run["id"] = r.run.run_id
@@ -154,7 +131,7 @@ def test_tensorboard_holds_the_values_of_metrics_jsonl(tracked_runs):
 def test_wandb_offline_run_holds_the_same_keys_and_values(tracked_runs):
     first = tracked_runs["first"]
     (run,) = first["wandb"]
-    assert run["id"] == first["state"]["id"] and first["state"]["last_step"] == 2
+    assert run["id"] == first["state"]["id"] and first["state"]["mode"] == "offline"
     assert sorted(run["history"]) == [0, 1, 2]
     for r in first["metrics"]:
         logged = run["history"][r["step"]]
@@ -186,7 +163,6 @@ def test_resume_keeps_one_value_per_step(tracked_runs):
     assert sorted(a["history"]) == [0, 1, 2] and sorted(b["history"]) == [3]
     assert a["history"][2] == first["wandb"][0]["history"][2]
     assert {k: v for k, v in b["history"][3].items() if k in metrics[3]} == numeric_items(metrics[3])
-    assert resumed["state"]["last_step"] == 3
 
 
 # ---- the sinks alone (no job) ----------------------------------------------------------------------
@@ -231,6 +207,31 @@ def test_a_resume_keeps_one_value_per_step_in_each_sink(tmp_path):
     assert {s: h["train/loss"] for s, h in {**first["history"], **second["history"]}.items()} == {
         0: 1.0, 1: 2.0, 2: 3.0, 3: 5.0}
     assert sorted(second["history"]) == [3]
+
+
+def test_steps_a_killed_trainer_took_with_it_are_logged_by_the_rerun(tmp_path):
+    """wandb-core writes its records in batches: a process killed before the batch is out leaves an
+    offline file without them. The resume asks W&B's files what they hold, not its own notes, so the
+    re-run logs those steps (here all of them: the killed start got none out)."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    overrides = [f"run_dir={run_dir}", *TRACKED[:3]]
+    code = ("import os; from pipeline.config import load_config; from pipeline.observability.sinks import open_sinks;"
+            f" s = open_sinks(load_config('configs/tiny.yaml', {overrides!r}), {run_dir!r}, 0);"
+            " [s.write({'step': i, 'train/loss': 1.0 + i}) for i in range(3)]; os.kill(os.getpid(), 9)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert res.returncode == -9, res.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
+    (killed,) = wandb_runs(run_dir)
+    assert killed["history"] == {}  # nothing reached the file within its 15 s flush interval
+    sinks = open_sinks(load_config("configs/tiny.yaml", overrides), run_dir, start_step=1)
+    for step in range(1, 4):
+        sinks.write({"step": step, "train/loss": 2.0 + step})
+    sinks.close()
+    _, rerun = wandb_runs(run_dir)
+    assert {s: h["train/loss"] for s, h in rerun["history"].items()} == {1: 3.0, 2: 4.0, 3: 5.0}
+    assert tb_scalars(run_dir)["train/loss"] == [(0, 1.0), (1, 3.0), (2, 4.0), (3, 5.0)]
 
 
 def test_miles_aliases_can_be_turned_off(tmp_path):

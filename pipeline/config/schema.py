@@ -8,6 +8,7 @@ span sections live in `RunConfig.__post_init__`. Every error names the fix.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -495,11 +496,46 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False
+    """Log every step's metrics (the keys of metrics.jsonl) and the resolved config to Weights & Biases
+    (Miles: --use-wandb). Needs `pip install lockstep[tracking]`."""
+    project: str = "lockstep"
+    """W&B project (Miles: --wandb-project)."""
+    group: str | None = None
+    """W&B run group, e.g. one per sweep (Miles: --wandb-group)."""
+    name: str | None = None
+    """The run's display name; null: the run directory's name."""
+    entity: str | None = None
+    """W&B team or user (Miles: --wandb-team); null: the API key's default entity."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: write run_dir/wandb/ only, no network (upload later: `wandb sync run_dir/wandb/offline-run-*`);
+    online: stream to the W&B server (WANDB_API_KEY or `wandb login` on the trainer's node)."""
+
+
+@dataclass
 class LoggingConfig:
     progress: bool = True
     """Show a progress bar on the terminal while the run goes."""
     plot: bool = True
     """Write run_dir/reward.png at the end."""
+    tensorboard: bool = False
+    """Also write every step's metrics as TensorBoard event files under run_dir/tensorboard/ (Miles:
+    --use-tensorboard). Needs `pip install lockstep[tracking]`."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases."""
+    miles_aliases: bool = True
+    """TensorBoard and W&B also get Miles' names for the metrics Miles logs too
+    (train/train_rollout_logprob_abs_diff beside train/rollout_logprob_abs_diff, ...: README table);
+    metrics.jsonl keeps Lockstep's names only."""
+
+    def __post_init__(self):
+        # find_spec does not import: the check stays instant. A sink that is on needs its package.
+        for on, option, package in ((self.tensorboard, "logging.tensorboard", "tensorboard"),
+                                    (self.wandb.enabled, "logging.wandb.enabled", "wandb")):
+            if on and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{option}=true needs the {package} package, which is not installed:"
+                                  " pip install lockstep[tracking] (or set it to false)")
 
 
 @dataclass

@@ -8,6 +8,8 @@ import time
 
 from pipeline.observability.startup import startup_line
 from pipeline.observability.metrics import read_metrics
+from pipeline.observability.tensorboard_sink import tensorboard_dir
+from pipeline.observability.wandb_sink import wandb_dir, wandb_state
 
 
 def mean(xs):
@@ -94,7 +96,20 @@ def summary(run_dir: str) -> str:
     for name in ("reward.png", "hf"):
         if os.path.exists(os.path.join(run_dir, name)):
             lines.append(f"{'plot' if name.endswith('png') else 'final model':<18}{os.path.join(run_dir, name)}")
+    lines += tracker_lines(run_dir)
     return "\n".join(lines)
+
+
+def tracker_lines(run_dir: str) -> list[str]:
+    """Where the run's TensorBoard files and W&B run are, and the command that shows / uploads them."""
+    lines = []
+    if os.path.isdir(tensorboard_dir(run_dir)):
+        lines.append(f"{'tensorboard':<18}tensorboard --logdir {tensorboard_dir(run_dir)}")
+    state = wandb_state(run_dir)
+    if state:
+        where = state.get("url") or f"offline; upload: wandb sync {wandb_dir(run_dir)}/offline-run-*"
+        lines.append(f"{'wandb':<18}run {state['id']}, {where}")
+    return lines
 
 
 def plot_rewards(run_dir: str, out_name: str = "reward.png") -> str | None:

@@ -26,7 +26,7 @@ from pipeline.errors import NonFiniteError
 from pipeline.launch import rendezvous as rdzv
 from pipeline.launch.layout import RunLayout
 from pipeline.launch.net import bind_address
-from pipeline.observability.metrics import MetricsWriter
+from pipeline.observability.sinks import MetricSinks, open_sinks
 from pipeline.observability.startup import StartupClock, startup_file
 from pipeline.rollout.client import EngineClient, EngineError
 from pipeline.rollout.tito import verify_batch
@@ -76,7 +76,7 @@ class Trainer:
         self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
                                    on_corrupt=cfg.buffer.on_corrupt)
         self.sender: BroadcastSender | None = None
-        self.metrics: MetricsWriter | None = None
+        self.metrics: MetricSinks | None = None
         self.nonfinite_in_row = 0
         self.step = 0
 
@@ -86,7 +86,7 @@ class Trainer:
         with self.clock.phase("resume"):
             start = self.resume()
         if self.rank == 0:
-            self.metrics = MetricsWriter(self.layout.root, start_step=start)
+            self.metrics = open_sinks(cfg, self.layout.root, start_step=start)
             with self.clock.phase("wait_engines"):
                 self.connect_engines()
         if start > 0 or cfg.train.int4_qat:
@@ -127,6 +127,7 @@ class Trainer:
                 if not self.should_save(step + 1):
                     self.save(step + 1)
                 if self.rank == 0:
+                    self.metrics.close()
                     rdzv.publish(rdzv.checkpoint_done_file(self.layout.root), {"step": step + 1})
                 log.info("checkpointed at step %d on request; exiting for requeue", step + 1)
                 return
@@ -457,6 +458,7 @@ class Trainer:
         if self.cfg.checkpoint.export_hf:
             self.export_hf()
         if self.rank == 0:
+            self.metrics.close()
             rdzv.request_stop(self.layout.root)
             if self.sender:
                 self.sender.close()

@@ -15,6 +15,7 @@ import lockstep_kernels as kernels
 from lockstep_kernels import torch_ref
 from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 from conftest import REPO, wait_until
 from test_e2e import lockstep
@@ -178,17 +179,17 @@ def test_two_runs_same_weights_and_kill_resume(tmp_path):
     for name in ("a", "b"):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
         assert res.returncode == 0, res.stderr[-3000:]
-    a, b = read_state_dict(f"{tmp_path}/a/hf"), read_state_dict(f"{tmp_path}/b/hf")
+    a, b = read_state_dict(RunDir(tmp_path / "a").hf_export), read_state_dict(RunDir(tmp_path / "b").hf_export)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command.
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={tmp_path}/c",
                           *common], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert wait_until(lambda: os.path.exists(f"{tmp_path}/c/checkpoints/step_000004/trainer_state.json"), 180)
+    assert wait_until(lambda: os.path.exists(os.path.join(RunDir(tmp_path / "c").checkpoints, "step_000004", "trainer_state.json")), 180)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    assert not os.path.exists(f"{tmp_path}/c/hf")
+    assert not os.path.exists(RunDir(tmp_path / "c").hf_export)
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/c", *common)
     assert res.returncode == 0, res.stderr[-3000:]
-    c = read_state_dict(f"{tmp_path}/c/hf")
+    c = read_state_dict(RunDir(tmp_path / "c").hf_export)
     assert all(torch.equal(a[k], c[k]) for k in a)
     assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(8))

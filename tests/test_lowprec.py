@@ -14,6 +14,7 @@ from pipeline.config.schema import WeightsConfig
 from pipeline.errors import ConfigError
 from pipeline.models.hf_io import load_model
 from pipeline.rollout.client import EngineClient
+from pipeline.run import RunDir
 from pipeline.weights.broadcast import BroadcastSender
 from pipeline.weights.quant import SCALE_SUFFIX, fp8_stream, is_fp8_target
 
@@ -217,15 +218,15 @@ def test_int4_qat_recipe_trains_bit_exactly_and_exports_w4a16(tmp_path, engine_f
     first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
     last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.1, (first, last)
-    cfg = json.load(open(run / "hf" / "config.json"))
+    cfg = json.load(open(os.path.join(RunDir(run).hf_export, "config.json")))
     assert cfg["quantization_config"]["format"] == "pack-quantized"
     assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 16
     from safetensors.torch import load_file
 
-    raw = load_file(str(run / "hf" / "model.safetensors"))
+    raw = load_file(os.path.join(RunDir(run).hf_export, "model.safetensors"))
     packed = [k for k in raw if k.endswith(".weight_packed")]
     assert packed and all(raw[k].dtype == torch.int32 for k in packed)
-    dense = read_state_dict(str(run / "hf"))
+    dense = read_state_dict(RunDir(run).hf_export)
     experts = [k for k in dense if is_int4_target(k)]
     assert len(experts) == len(packed)
     for k in experts:  # each group is an integer multiple of its scale, within [-8, 7]
@@ -233,7 +234,7 @@ def test_int4_qat_recipe_trains_bit_exactly_and_exports_w4a16(tmp_path, engine_f
         s = raw[k.removesuffix(".weight") + ".weight_scale"].float()[..., None]
         q = (w / s).round()
         assert ((w / s) - q).abs().max() < 1e-4 and q.min() >= -8 and q.max() <= 7
-    eng = engine_factory(str(run / "hf"))
+    eng = engine_factory(RunDir(run).hf_export)
     assert len(EngineClient(eng.url).generate([[5, 6]], [{"max_new_tokens": 2, "ignore_eos": True}])[0].output_ids) == 2
 
 
@@ -256,7 +257,7 @@ def test_int4_qat_on_megatron_experts_matches_fsdp(tmp_path):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
         assert a["train/rollout_logprob_max_abs_diff"] < 1e-5
-    cfg = json.load(open(tmp_path / "mg" / "hf" / "config.json"))
+    cfg = json.load(open(os.path.join(RunDir(tmp_path / "mg").hf_export, "config.json")))
     assert cfg["quantization_config"]["format"] == "pack-quantized"
 
 

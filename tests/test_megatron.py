@@ -5,6 +5,7 @@ and whole runs."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import dist_helpers
 from conftest import make_model_dir
 from pipeline.models.hf_io import load_model
 from pipeline.models.qwen3 import MoeRouting
+from pipeline.run import RunDir
 from pipeline.trainer.megatron.convert import fuse_qkv, to_hf, to_megatron, unfuse_qkv
 
 import megatron.core  # noqa: E402,F401  (a test dependency: scripts/setup.sh test installs it)
@@ -256,4 +258,4 @@ def test_megatron_runs_train_and_resume(variant, resume, tmp_path):
     first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
     last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.02, (first, last)
-    assert json.load(open(tmp_path / "run" / "hf" / "config.json"))["model_type"] in ("qwen3", "qwen3_moe")
+    assert json.load(open(os.path.join(RunDir(tmp_path / "run").hf_export, "config.json")))["model_type"] in ("qwen3", "qwen3_moe")

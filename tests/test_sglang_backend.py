@@ -18,12 +18,13 @@ import torch
 from conftest import REPO, wait_until
 from pipeline.config import load_config
 from pipeline.errors import ComponentFailed
-from pipeline.launch import rendezvous as rdzv
 from pipeline.models.hf_io import load_model
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError, EnginePool, EngineStateError
 from pipeline.rollout.router import SglangRouter
 from pipeline.rollout.sglang_server import SglangSupervisor
+from pipeline.run import RunDir
+from pipeline.utils.fs import read_json
 
 CONTRACT_ENV = os.path.join(REPO, ".venv", "sglang-contract")
 TOKEN = "test-run-token"
@@ -175,13 +176,13 @@ def test_supervisor_restarts_a_dead_server_and_publishes_its_new_address(dense_d
     errors = []
     t = threading.Thread(target=lambda: _run(sup, errors), daemon=True)
     t.start()
-    path = rdzv.engine_file(run_dir, 0)
+    path = RunDir(run_dir).engine_file(0)
     assert wait_until(lambda: os.path.exists(path), timeout=120)
-    first = rdzv.read_json(path)
+    first = read_json(path)
     assert EngineClient(first["url"]).generate([[5]], [params(2)])[0].output_ids
     os.kill(first["pid"], signal.SIGKILL)
-    assert wait_until(lambda: rdzv.read_json(path)["url"] != first["url"], timeout=120)
-    second = rdzv.read_json(path)
+    assert wait_until(lambda: read_json(path)["url"] != first["url"], timeout=120)
+    second = read_json(path)
     assert second["restarts"] == 1 and EngineClient(second["url"]).health()
     os.kill(second["pid"], signal.SIGKILL)  # no restarts left: the engine component fails, named
     t.join(120)
@@ -210,8 +211,8 @@ def test_run_through_sglang_router_with_colocated_engines_matches_a_plain_run(tm
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", *SMALL, *common, "engine.router=sglang_router",
                    "engine.router_policy=round_robin", "engine.colocated=true")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert weights_equal(f"{tmp_path}/ref/hf", f"{run}/hf")
-    assert os.path.exists(run / "logs" / "router_0.log")
+    assert weights_equal(RunDir(tmp_path / "ref").hf_export, RunDir(run).hf_export)
+    assert os.path.exists(RunDir(run).log_file("router_0"))
     for i in range(2):  # each engine gave its memory back once per step, and took it back for the update
-        text = open(run / "logs" / f"engine_{i}.log").read()
+        text = open(RunDir(run).log_file(f"engine_{i}")).read()
         assert text.count("memory released: kv_cache, weights") == 4, text[-2000:]

@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.launch.slurm.templates import reference_scripts
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 from conftest import REPO, wait_until
 
@@ -137,12 +138,12 @@ def test_failed_component_ends_the_job(slurm, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
                           "num_rollout=500", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 2, timeout=180)
-    engine = json.load(open(run_dir / "rendezvous" / "engine_0.json"))
+    engine = json.load(open(RunDir(run_dir).engine_file(0)))
     os.kill(engine["pid"], 9)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 1, err[-2000:]
     assert "srun_engines" in err or "engine" in err
-    failed = json.load(open(run_dir / "control" / "FAILED"))
+    failed = RunDir(run_dir).failure()
     assert failed["component"] == "srun_engines"
     job = err.split("submitted ")[1].split()[0]
     assert wait_until(lambda: "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
@@ -154,14 +155,14 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
                           "num_rollout=30", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 5, timeout=180)
-    job = json.load(open(run_dir / "rendezvous" / "trainer.json"))["job"]
+    job = json.load(open(RunDir(run_dir).trainer_file))["job"]
     subprocess.run(["scancel", "-s", "USR2", "-b", job], check=True)  # what Slurm sends at pre-emption / time limit
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
     records = read_metrics(str(run_dir))
     assert [r["step"] for r in records] == list(range(30))
-    ckpt = json.load(open(run_dir / "control" / "CHECKPOINT_DONE")) if os.path.exists(run_dir / "control" / "CHECKPOINT_DONE") else None
-    trainer_log = (run_dir / "logs" / "trainer_0.log").read_text()
+    ckpt = json.load(open(RunDir(run_dir).checkpoint_done_file)) if RunDir(run_dir).checkpoint_done() else None
+    trainer_log = open(RunDir(run_dir).log_file("trainer_0")).read()
     assert "checkpointed at step" in trainer_log and "resumed from checkpoint step" in trainer_log
     del ckpt
     requeued = subprocess.run(["sacct", "-j", job, "-D", "-X", "-n", "-o", "State", "--parsable2"], capture_output=True,

@@ -10,7 +10,7 @@ import json
 import math
 import os
 
-METRICS_NAME = "metrics.jsonl"
+from pipeline.run import RunDir
 
 
 def _clean(v):
@@ -21,7 +21,7 @@ def _clean(v):
 
 class MetricsWriter:
     def __init__(self, run_dir: str, start_step: int = 0):
-        self.path = os.path.join(run_dir, METRICS_NAME)
+        self.path = RunDir(run_dir).metrics
         # On resume drop records of steps that will be re-run, so the file has one line per step.
         kept = [r for r in read_metrics(run_dir) if r.get("step", -1) < start_step]
         with open(self.path, "w") as f:
@@ -39,7 +39,7 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, METRICS_NAME)
+    path = RunDir(run_dir).metrics
     if not os.path.exists(path):
         return []
     out = []

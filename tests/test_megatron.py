@@ -214,7 +214,7 @@ def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
         for key in ("rollout/reward_mean", "train/loss", "train/value_loss"):
             assert a[key] == b[key], (key, a, b)
         assert b["train/rollout_logprob_max_abs_diff"] < 1e-5
-    one, two = (load_file(f"{tmp_path}/pp{pp}/hf/model.safetensors") for pp in (1, 2))
+    one, two = (load_file(os.path.join(RunDir(tmp_path / f"pp{pp}").hf_export, "model.safetensors")) for pp in (1, 2))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 

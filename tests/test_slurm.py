@@ -81,8 +81,8 @@ def test_hetjob_script_shape():
 def test_dry_run_writes_the_exact_script(tmp_path):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", "--dry-run")
     assert res.returncode == 0, res.stderr
-    path = tmp_path / "run" / "slurm" / "hetjob.sbatch"
-    script = path.read_text()
+    path = RunDir(tmp_path / "run").sbatch_file("hetjob")
+    script = open(path).read()
     assert res.stdout.startswith(f"# {path}") and script in res.stdout
     expected = reference_scripts()["hetjob.sbatch"].replace("/lustre/scratch/lockstep/runs/example", str(tmp_path / "run"))
     expected = expected.replace("python3 -u -m pipeline.launch.slurm.driver", f"{sys.executable} -u -m pipeline.launch.slurm.driver")
@@ -103,7 +103,7 @@ def test_bad_requests_refused_before_submission(tmp_path, overrides, fragment):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", *overrides)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert fragment in res.stderr
-    assert not os.path.exists(tmp_path / "run" / "slurm")  # nothing submitted, nothing written
+    assert not os.path.exists(RunDir(tmp_path / "run").slurm_dir)  # nothing submitted, nothing written
 
 
 def test_bad_profile_file_refused(tmp_path):

@@ -117,6 +117,7 @@ def run_metrics(tmp_path, name, *overrides, faults: str = ""):
     return read_metrics(f"{tmp_path}/{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["tiny-dense", "tiny-moe"])
 def test_true_on_policy_is_bitwise(tmp_path, init):
     on = run_metrics(tmp_path, "on", f"model.init={init}", "determinism.true_on_policy=true",
@@ -127,6 +128,7 @@ def test_true_on_policy_is_bitwise(tmp_path, init):
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in off) > 0.0
 
 
+@pytest.mark.slow
 def test_bf16_moe_routing_mismatch_and_r3(tmp_path):
     # The engine's router sees slightly different logits than the trainer's, as a GPU engine's does at
     # any batch size (its kernels reduce in other orders). On a CPU the bf16 kernels of decode and
@@ -171,6 +173,7 @@ def test_r3_replays_in_activation_recompute(moe_dir):
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
+@pytest.mark.slow
 def test_two_runs_same_weights_and_kill_resume(tmp_path):
     """Same command, same weights; a run SIGKILLed after a checkpoint and rerun ends bit-identical too.
     PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well."""

@@ -88,6 +88,7 @@ FAST = ["num_rollout=6", "rollout_batch_size=8", "global_batch_size=64", "checkp
         "logging.plot=false"]
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_and_two_engines(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *FAST, "train.num_gpus=2",
                    "engine.num_engines=2", "buffer.keep_consumed=false", "--no-progress")
@@ -100,6 +101,7 @@ def test_two_trainer_ranks_and_two_engines(tmp_path):
     assert records[0]["train/rollout_logprob_max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_failed_component_ends_the_job_and_is_named(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
@@ -114,6 +116,7 @@ def test_failed_component_ends_the_job_and_is_named(tmp_path):
     assert wait_until(lambda: not procs_of(run_dir), timeout=20), procs_of(run_dir)
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_leaves_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",

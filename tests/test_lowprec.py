@@ -127,6 +127,7 @@ def test_fp8_engine_decodes_with_fp8_gemms(dense_dir):
     assert 1e-4 < worst < 0.3, worst
 
 
+@pytest.mark.slow
 def test_fp8_rollouts_train_with_tis_and_show_the_mismatch(tmp_path):
     """FP8 rollouts, fp32 training, TIS: the mismatch is visible in the metrics, the weight sync is a
     third of the fp32 bytes, and the run learns as the plain run of the same seed does."""
@@ -200,6 +201,7 @@ def test_int4_packing_matches_compressed_tensors():
     assert theirs["unpacked"] == q.tolist()  # their unpacker reads our words back
 
 
+@pytest.mark.slow
 def test_int4_qat_recipe_trains_bit_exactly_and_exports_w4a16(tmp_path, engine_factory):
     """The recipe's first steps: the trainer (fake-quantized experts) and the engine (INT4 values by
     weight sync) agree bit for bit (the run asserts a zero logprob difference), the reward rises, and
@@ -238,6 +240,7 @@ def test_int4_qat_recipe_trains_bit_exactly_and_exports_w4a16(tmp_path, engine_f
     assert len(EngineClient(eng.url).generate([[5, 6]], [{"max_new_tokens": 2, "ignore_eos": True}])[0].output_ids) == 2
 
 
+@pytest.mark.slow
 def test_int4_qat_on_megatron_experts_matches_fsdp(tmp_path):
     """INT4 QAT on the megatron backend (EP=2: each rank fake-quantizes its own experts' fc1/fc2) against
     FSDP2 on one rank: the same losses and rewards step by step; the engine, which gets the INT4
@@ -261,6 +264,7 @@ def test_int4_qat_on_megatron_experts_matches_fsdp(tmp_path):
     assert cfg["quantization_config"]["format"] == "pack-quantized"
 
 
+@pytest.mark.slow
 def test_int4_qat_on_a_dense_model_is_refused(tmp_path):
     from test_e2e import lockstep
 

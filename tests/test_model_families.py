@@ -360,6 +360,7 @@ def test_megatron_conversion_round_trips(name, tp, megatron_dirs):
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+@pytest.mark.slow
 def test_megatron_logits_equal_ours(megatron_dirs, tmp_path):
     """megatron's GPTModel with q/k/v biases (split over TP=2), no q/k norm and Lockstep's RoPE table
     (YaRN's cos/sin factor included) gives our logits, and its weights gather back exactly. (Llama's
@@ -389,6 +390,7 @@ def test_megatron_refuses_biases_it_cannot_express():
 
 # ---- whole runs -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type,rope,legacy,overrides", [
     ("qwen2", YARN, "type", dict(max_position_embeddings=128)),  # Qwen2.5-shaped, the YaRN recipe's config
     ("llama", LLAMA3, "rope_type", dict(max_position_embeddings=128, tie_word_embeddings=True)),  # Llama-3.2-shaped

@@ -48,6 +48,7 @@ def engine_pid(run_dir, i=0) -> int:
 
 # ---- engines die -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tmp_path):
     """SIGKILL one of two engines while it generates: its requests go to the other engine, the launcher
     restarts it, the trainer catches it up to the current weights, and the run ends with exactly the
@@ -75,6 +76,7 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tmp_pat
     assert wait_until(lambda: not procs_of(run), 20)
 
 
+@pytest.mark.slow
 def test_engine_that_keeps_dying_ends_the_run_named(tmp_path):
     # Every engine process exits at its 3rd request: restarts run out and the run stops, naming it.
     p = launch(tmp_path / "run", "num_rollout=50", "engine.max_restarts=1",
@@ -87,6 +89,7 @@ def test_engine_that_keeps_dying_ends_the_run_named(tmp_path):
 
 # ---- trainer ranks die, checkpoints ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_trainer_rank_killed_stops_cleanly_and_resume_matches(tmp_path):
     common = ["num_rollout=6", "train.num_gpus=2", "checkpoint.save_interval=2"]
     ref = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/ref", *SMALL, *common)
@@ -106,6 +109,7 @@ def test_trainer_rank_killed_stops_cleanly_and_resume_matches(tmp_path):
     assert weights_equal(RunDir(tmp_path / "ref").hf_export, RunDir(run).hf_export)
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path):
     run = tmp_path / "run"
     common = ["num_rollout=6", "checkpoint.save_interval=2", "checkpoint.keep_last=1"]
@@ -176,6 +180,7 @@ def test_trainer_gone_mid_update_engine_keeps_last_complete_version(dense_dir, e
     assert len(client.generate([[5, 6]], [{"max_new_tokens": 3, "ignore_eos": True}])[0].output_ids) == 3
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_up(dense_dir, engine_factory):
     a = engine_factory(dense_dir)
     b = engine_factory(dense_dir, env={"LOCKSTEP_FAULTS": "engine_update_delay_s=0.5"})
@@ -201,6 +206,7 @@ def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_u
     sender.close()
 
 
+@pytest.mark.slow
 def test_weight_update_to_a_stopped_engine_times_out_with_a_clear_error(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
     sender = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],
@@ -339,6 +345,7 @@ def failing_reward(response, label, metadata):
     return 1.0
 
 
+@pytest.mark.slow
 def test_reward_function_raising_marks_samples_failed_and_the_run_goes_on(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *SMALL, "num_rollout=3",
                    "rollout.rm_type=test_reliability:failing_reward", "checkpoint.export_hf=false",
@@ -348,6 +355,7 @@ def test_reward_function_raising_marks_samples_failed_and_the_run_goes_on(tmp_pa
     assert len(rows) == 3 and all(r["rollout/reward_failed"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_nan_gradient_is_skipped_then_too_many_stop_the_run(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/once", *SMALL, "num_rollout=4",
                    "checkpoint.export_hf=false", env=dict(os.environ, LOCKSTEP_FAULTS="nan_grad_steps=1"))

@@ -32,6 +32,7 @@ def test_filters():
     assert resolve_filter(None)(group)
 
 
+@pytest.mark.slow
 def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
     run = tmp_path / "run"
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", "num_rollout=8", "rollout_batch_size=6",
@@ -87,6 +88,7 @@ class RewardModel(BaseHTTPRequestHandler):
         self.wfile.write(out)
 
 
+@pytest.mark.slow
 def test_remote_reward_model_over_http(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), RewardModel)
     threading.Thread(target=server.serve_forever, daemon=True).start()

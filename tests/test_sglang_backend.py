@@ -41,6 +41,7 @@ def contract_env(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", CONTRACT_ENV)
 
 
+@pytest.mark.slow
 def test_sglang_router_in_front_of_two_builtin_engines(dense_dir, engine_factory, contract_env, tmp_path):
     engines = [engine_factory(dense_dir, ["--api-key", TOKEN]) for _ in range(2)]
     router = SglangRouter("round_robin", api_key=TOKEN, log_path=str(tmp_path / "router.log"))
@@ -66,6 +67,7 @@ def test_sglang_router_in_front_of_two_builtin_engines(dense_dir, engine_factory
         router.stop()
 
 
+@pytest.mark.slow
 def test_router_waits_for_every_engine_to_hold_the_version(dense_dir, engine_factory, contract_env, tmp_path):
     """Behind a router any engine may answer, so a step's requests go out only once all engines hold
     its weight version."""
@@ -85,6 +87,7 @@ def test_router_waits_for_every_engine_to_hold_the_version(dense_dir, engine_fac
         router.stop()
 
 
+@pytest.mark.slow
 def test_sticky_sessions_return_to_their_engine(dense_dir, engine_factory):
     engines = [engine_factory(dense_dir) for _ in range(2)]
     pool = EnginePool([e.url for e in engines], timeout_s=30)
@@ -159,6 +162,7 @@ def test_tensor_update_refuses_anything_but_tensors(dense_dir, engine_factory):
     assert c.weight_version() == "0"
 
 
+@pytest.mark.slow
 def test_supervisor_restarts_a_dead_server_and_publishes_its_new_address(dense_dir, tmp_path):
     """The SGLang supervisor's loop, run over the built-in engine (same protocol, same /health)."""
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
@@ -197,6 +201,7 @@ def _run(sup, errors):
         errors.append(e)
 
 
+@pytest.mark.slow
 def test_run_through_sglang_router_with_colocated_engines_matches_a_plain_run(tmp_path, contract_env):
     """A whole job with the router in front of two engines that give their memory back while the trainer
     trains: the same final weights, bit for bit, as the plain run (true on-policy makes results

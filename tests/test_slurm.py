@@ -118,6 +118,8 @@ def test_bad_profile_file_refused(tmp_path):
 LOCAL = ["configs/tiny-slurm-local.yaml", "logging.progress=false"]
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_hetjob_grpo_run_learns(slurm, tmp_path):
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=50", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -133,6 +135,8 @@ def test_hetjob_grpo_run_learns(slurm, tmp_path):
     assert rows[0][2] != rows[1][2]  # trainer and rollout components on different nodes
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_failed_component_ends_the_job(slurm, tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
@@ -150,6 +154,8 @@ def test_failed_component_ends_the_job(slurm, tmp_path):
                                                                 text=True).stdout, timeout=60)  # allocation released
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
@@ -170,6 +176,8 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "REQUEUED" in requeued and requeued[-1] == "COMPLETED", requeued
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_paired_jobs_find_each_other(slurm, tmp_path):
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=8", "slurm.mode=paired", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -177,6 +185,8 @@ def test_paired_jobs_find_each_other(slurm, tmp_path):
     assert res.stderr.count("job ") >= 2
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_colocated_job(slurm, tmp_path):
     """One component runs trainer and engine on one node; weights go as shared-memory handles (weights.type=tensor)."""
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=6", "slurm.mode=colocated",
@@ -185,6 +195,8 @@ def test_colocated_job(slurm, tmp_path):
     assert len(read_metrics(f"{tmp_path}/run")) == 6
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_nightly_matrix_job_array_and_report(slurm, tmp_path):
     matrix = tmp_path / "matrix.yaml"
     matrix.write_text(f"""base: configs/tiny-slurm-local.yaml

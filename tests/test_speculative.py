@@ -197,6 +197,7 @@ def test_speculative_config_checks():
         load_config("configs/tiny-mtp.yaml", ["engine.speculative_num_steps=0"])
 
 
+@pytest.mark.slow
 def test_mtp_recipe_rollouts_are_unchanged_by_speculative_decoding(tmp_path):
     """The tiny-mtp recipe with and without speculative decoding: the same rewards, losses and head
     losses step for step (true on-policy: the run itself checks trainer == engine logprobs), and

@@ -33,7 +33,7 @@ from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # 
 from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.config.schema import WeightsConfig  # noqa: E402
-from pipeline.launch.rendezvous import wait_for  # noqa: E402
+from pipeline.run import wait_for  # noqa: E402
 from pipeline.models.hf_io import save_model  # noqa: E402
 from pipeline.models.tokenizer import build_tiny_tokenizer  # noqa: E402
 from pipeline.rollout.client import EngineClient  # noqa: E402

@@ -273,6 +273,7 @@ def test_buffer_benchmark_runs(tmp_path):
     assert all(r["routing_bytes_per_slot"] <= 2 for r in rows if r["routing"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["engine_bench.py", "trainer_bench.py", "weight_sync_bench.py"])
 def test_gpu_benchmarks_have_cpu_variants_that_run(tmp_path, script):
     """The GPU benchmarks' CPU-sized variants run here, so a change that breaks or slows them shows."""

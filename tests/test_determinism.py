@@ -15,6 +15,7 @@ import lockstep_kernels as kernels
 from lockstep_kernels import torch_ref
 from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 from conftest import REPO, wait_until
 from test_e2e import lockstep
@@ -116,6 +117,7 @@ def run_metrics(tmp_path, name, *overrides, faults: str = ""):
     return read_metrics(f"{tmp_path}/{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["tiny-dense", "tiny-moe"])
 def test_true_on_policy_is_bitwise(tmp_path, init):
     on = run_metrics(tmp_path, "on", f"model.init={init}", "determinism.true_on_policy=true",
@@ -126,6 +128,7 @@ def test_true_on_policy_is_bitwise(tmp_path, init):
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in off) > 0.0
 
 
+@pytest.mark.slow
 def test_bf16_moe_routing_mismatch_and_r3(tmp_path):
     # The engine's router sees slightly different logits than the trainer's, as a GPU engine's does at
     # any batch size (its kernels reduce in other orders). On a CPU the bf16 kernels of decode and
@@ -170,6 +173,7 @@ def test_r3_replays_in_activation_recompute(moe_dir):
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
+@pytest.mark.slow
 def test_two_runs_same_weights_and_kill_resume(tmp_path):
     """Same command, same weights; a run SIGKILLed after a checkpoint and rerun ends bit-identical too.
     PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well."""
@@ -178,17 +182,17 @@ def test_two_runs_same_weights_and_kill_resume(tmp_path):
     for name in ("a", "b"):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
         assert res.returncode == 0, res.stderr[-3000:]
-    a, b = read_state_dict(f"{tmp_path}/a/hf"), read_state_dict(f"{tmp_path}/b/hf")
+    a, b = read_state_dict(RunDir(tmp_path / "a").hf_export), read_state_dict(RunDir(tmp_path / "b").hf_export)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command.
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={tmp_path}/c",
                           *common], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert wait_until(lambda: os.path.exists(f"{tmp_path}/c/checkpoints/step_000004/trainer_state.json"), 180)
+    assert wait_until(lambda: os.path.exists(os.path.join(RunDir(tmp_path / "c").checkpoints, "step_000004", "trainer_state.json")), 180)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    assert not os.path.exists(f"{tmp_path}/c/hf")
+    assert not os.path.exists(RunDir(tmp_path / "c").hf_export)
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/c", *common)
     assert res.returncode == 0, res.stderr[-3000:]
-    c = read_state_dict(f"{tmp_path}/c/hf")
+    c = read_state_dict(RunDir(tmp_path / "c").hf_export)
     assert all(torch.equal(a[k], c[k]) for k in a)
     assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(8))

@@ -22,6 +22,7 @@ def run_world(world, tmp_path, model_dir, overrides, tag):
     return torch.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, algo", [("dense_dir", []), ("moe_dir", []),
                                          ("dense_dir", ["advantage_estimator=ppo", "algo.kl_coef=0.05",
                                                         "algo.off_policy_correction=tis", "loss_reduction=sample_mean"])])

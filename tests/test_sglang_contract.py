@@ -32,6 +32,7 @@ from pipeline.rollout.router import router_argv
 from pipeline.rollout.sglang_server import server_argv
 
 CONTRACT_ENV = os.path.join(REPO, ".venv", "sglang-contract")
+pytestmark = pytest.mark.slow  # each test imports SGLang's own code in a subprocess
 
 
 def contract(check: str, data) -> object:

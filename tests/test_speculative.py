@@ -17,6 +17,7 @@ from pipeline.models.mtp import mtp_inputs
 from pipeline.rollout.client import EngineClient
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.rollout.engine.speculative import accepted_prefix
+from pipeline.run import RunDir
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +197,7 @@ def test_speculative_config_checks():
         load_config("configs/tiny-mtp.yaml", ["engine.speculative_num_steps=0"])
 
 
+@pytest.mark.slow
 def test_mtp_recipe_rollouts_are_unchanged_by_speculative_decoding(tmp_path):
     """The tiny-mtp recipe with and without speculative decoding: the same rewards, losses and head
     losses step for step (true on-policy: the run itself checks trainer == engine logprobs), and
@@ -218,4 +220,4 @@ def test_mtp_recipe_rollouts_are_unchanged_by_speculative_decoding(tmp_path):
     assert all(r["rollout/spec_accept_length"] >= 1.0 for r in with_spec)
     assert "rollout/spec_accept_length" not in without[0]
     assert with_spec[-1]["train/mtp_loss"] < with_spec[0]["train/mtp_loss"]  # the head learns
-    assert "mtp.fc.weight" in read_state_dict(f"{tmp_path}/NEXTN/hf")
+    assert "mtp.fc.weight" in read_state_dict(RunDir(tmp_path / "NEXTN").hf_export)

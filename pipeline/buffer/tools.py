@@ -9,10 +9,11 @@ import numpy as np
 from pipeline.buffer.reader import BufferReader, CorruptShardError, read_shard
 from pipeline.buffer.schema import STATUS_NAMES
 from pipeline.buffer.writer import COMMIT_NAME, step_dir
+from pipeline.run import RunDir
 
 
 def buffer_dir_of(run_dir: str) -> str:
-    d = os.path.join(run_dir, "buffer")
+    d = RunDir(run_dir).buffer
     return d if os.path.isdir(d) else run_dir
 
 

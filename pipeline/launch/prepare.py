@@ -14,12 +14,10 @@ import shutil
 import subprocess
 import sys
 
-from pipeline.config import RESOLVED_NAME, dump_config
+from pipeline.config import dump_config
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError, storage_error
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
-from pipeline.observability.startup import startup_dir
+from pipeline.run import RunDir
 from pipeline.utils.fs import atomic_write_bytes
 
 log = logging.getLogger("lockstep.launch")
@@ -145,9 +143,9 @@ def _detected_gpu_gib() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / (1 << 30)
 
 
-def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
+def make_initial_model(cfg: RunConfig, rundir: RunDir) -> None:
     """Write a randomly initialised HF checkpoint + tokenizer to run_dir/model_init (once)."""
-    if os.path.exists(os.path.join(layout.model_init, "config.json")):
+    if os.path.exists(os.path.join(rundir.model_init, "config.json")):  # an HF checkpoint directory
         return
     import torch
 
@@ -156,54 +154,40 @@ def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
     from pipeline.models.qwen3 import Qwen3ForCausalLM
     from pipeline.models.tokenizer import build_tiny_tokenizer
 
-    tok_dir = layout.model_init + ".tokenizer"
+    tok_dir = rundir.model_init_tokenizer
     tok = build_tiny_tokenizer(tok_dir)
     args = model_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
                        mtp_layers=cfg.model.mtp_num_layers)
     torch.manual_seed(cfg.model.init_seed)
     model = Qwen3ForCausalLM(args)
     model.init_weights(cfg.model.init_seed)
-    save_model(model.state_dict(), args, layout.model_init, tokenizer_dir=tok_dir)
+    save_model(model.state_dict(), args, rundir.model_init, tokenizer_dir=tok_dir)
     shutil.rmtree(tok_dir, ignore_errors=True)
 
 
-def run_token(layout: RunLayout) -> str:
-    """The run's shared secret (run_dir/.token, mode 600): engines reject HTTP requests without it."""
-    import secrets
-
-    path = layout.token
-    if not os.path.exists(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(16))
-    with open(path) as f:
-        return f.read().strip()
-
-
-def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunLayout]:
+def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunDir]:
     """`profile`: the cluster profile when the run goes to Slurm (its GPUs are checked, not this machine's)."""
     cfg = resolve_paths(cfg)
     check_inputs(cfg)
     check_memory(cfg, profile)
-    layout = RunLayout(cfg.run_dir)
+    rundir = RunDir(cfg.run_dir)
     try:
-        for d in (layout.root, layout.logs, layout.buffer):
+        for d in (rundir.root, rundir.logs, rundir.buffer):
             os.makedirs(d, exist_ok=True)
-        if not os.access(layout.root, os.W_OK):
-            raise UserError(f"run_dir {layout.root!r} is not writable")
-        previous = os.path.join(layout.root, RESOLVED_NAME)
+        if not os.access(rundir.root, os.W_OK):
+            raise UserError(f"run_dir {rundir.root!r} is not writable")
         text = dump_config(cfg)
-        if os.path.exists(previous):
-            with open(previous) as f:
+        if os.path.exists(rundir.config):
+            with open(rundir.config) as f:
                 if f.read() != text:
                     log.warning("run_dir %s held a different config; the new one replaces it (resuming from its "
-                                "checkpoints)", layout.root)
-        atomic_write_bytes(previous, text.encode())
+                                "checkpoints)", rundir.root)
+        atomic_write_bytes(rundir.config, text.encode())
         if cfg.model.path is None:
-            make_initial_model(cfg, layout)
-        run_token(layout)
-        rdzv.reset_control(layout.root)
-        shutil.rmtree(startup_dir(layout.root), ignore_errors=True)  # this start's phases only
+            make_initial_model(cfg, rundir)
+        rundir.create_token()
+        rundir.reset_control()
+        shutil.rmtree(rundir.startup_dir, ignore_errors=True)  # this start's phases only
     except OSError as e:
-        raise storage_error("run directory", getattr(e, "filename", None) or layout.root, e) from e
-    return cfg, layout
+        raise storage_error("run directory", getattr(e, "filename", None) or rundir.root, e) from e
+    return cfg, rundir

@@ -12,7 +12,7 @@ import json
 import math
 import os
 
-METRICS_NAME = "metrics.jsonl"
+from pipeline.run import RunDir
 
 
 def _clean(v):
@@ -25,7 +25,7 @@ class JsonlSink:
     """run_dir/metrics.jsonl (a MetricSink)."""
 
     def __init__(self, run_dir: str, start_step: int = 0):
-        self.path = os.path.join(run_dir, METRICS_NAME)
+        self.path = RunDir(run_dir).metrics
         # On resume drop records of steps that will be re-run (and a torn last line), so the file has
         # one line per step.
         kept = [r for r in read_metrics(run_dir) if r.get("step", -1) < start_step]
@@ -48,7 +48,7 @@ class JsonlSink:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, METRICS_NAME)
+    path = RunDir(run_dir).metrics
     if not os.path.exists(path):
         return []
     out = []

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 
 from pipeline.observability.base import scalars
+from pipeline.run import RunDir
 
-TENSORBOARD_DIR = "tensorboard"
 
 
 def tensorboard_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, TENSORBOARD_DIR)
+    return RunDir(run_dir).tensorboard
 
 
 class TensorBoardSink:

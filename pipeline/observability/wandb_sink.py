@@ -26,13 +26,13 @@ import struct
 from pipeline.config.schema import WandbConfig
 from pipeline.observability.base import scalars
 from pipeline.utils.fs import atomic_write_json, read_json
+from pipeline.run import RunDir
 
-WANDB_DIR = "wandb"
 STATE_NAME = "lockstep_run.json"
 
 
 def wandb_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, WANDB_DIR)
+    return RunDir(run_dir).wandb
 
 
 def wandb_state(run_dir: str) -> dict | None:

@@ -13,7 +13,6 @@ cursor, the unfinished groups) is in the committed shard, so a restart loses not
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -23,8 +22,6 @@ from pipeline.buffer.schema import STATUS_NAMES, RolloutBatch, Sample
 from pipeline.buffer.writer import ShardWriter, WriteOptions, clean_uncommitted
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
 from pipeline.models.hf_io import read_model_args
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rollout import protocol
@@ -33,6 +30,7 @@ from pipeline.rollout.data import Prompt, PromptDataset
 from pipeline.rollout.filters import resolve_filter
 from pipeline.rollout.rewards import resolve_reward, score
 from pipeline.rollout.tito import check_sample, token_hash
+from pipeline.run import RunDir
 
 log = logging.getLogger("lockstep.rollout")
 
@@ -75,31 +73,31 @@ class Group:
 
 class RolloutManager:
     def __init__(self, cfg: RunConfig, run_dir: str, producer_rank: int = 0, num_producers: int = 1):
-        self.cfg, self.layout = cfg, RunLayout(run_dir)
+        self.cfg, self.rundir = cfg, RunDir(run_dir)
         self.rank, self.num_producers = producer_rank, num_producers
-        model_dir = self.layout.model_dir(cfg)
+        model_dir = self.rundir.model_dir(cfg)
         self.args = read_model_args(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed)
         log.info("%s", self.dataset.stats.report())
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
-        urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)
-        key = os.environ.get("LOCKSTEP_API_KEY")
+        urls = self.rundir.engine_urls(cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)
+        key = self.rundir.token()
         self.router = None
         if cfg.engine.router == "sglang_router":
             from pipeline.rollout.router import SglangRouter
 
             self.router = SglangRouter(cfg.engine.router_policy, api_key=key,
-                                       log_path=os.path.join(self.layout.logs, f"router_{producer_rank}.log"))
+                                       log_path=self.rundir.log_file(f"router_{producer_rank}"))
             self.router.start(urls)
         self.pool = EnginePool(urls, timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
-                               api_key=key, resolve=lambda: rdzv.current_engine_urls(run_dir, cfg.engine.num_engines),
+                               api_key=key, resolve=lambda: self.rundir.current_engine_urls(cfg.engine.num_engines),
                                retry_budget_s=cfg.rollout.retry_budget_s or None,
                                frontend=self.router.sync if self.router else None)
-        self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
+        self.writer = ShardWriter(self.rundir.buffer, producer_rank, num_producers, model_id=model_dir,
                                   opts=WriteOptions.from_config(cfg.buffer))
-        self.reader = BufferReader(self.layout.buffer)
+        self.reader = BufferReader(self.rundir.buffer)
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout")
         self.record_routing = self.args.is_moe and (cfg.determinism.routing_replay or cfg.determinism.record_routing)
         self.next_draw = producer_rank  # producer r draws r, r + P, r + 2P, ...
@@ -108,12 +106,12 @@ class RolloutManager:
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
         if self.rank == 0:
-            removed = clean_uncommitted(self.layout.buffer)
+            removed = clean_uncommitted(self.rundir.buffer)
             if removed:
                 log.info("removed %d uncommitted leftovers from an earlier run", len(removed))
         step = self.restore()
         while step < self.cfg.num_rollout:
-            version = rdzv.wait_version(self.layout.root, step - self.cfg.staleness)
+            version = self.rundir.wait_version(step - self.cfg.staleness)
             if version is None:
                 log.info("stop requested; rollout manager exits")
                 return

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pipeline import faults
 from pipeline.errors import is_storage_failure, storage_error
+from pipeline.run import RunDir
 from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json
 
 STATE_NAME = "trainer_state.json"
@@ -27,7 +28,7 @@ log = logging.getLogger("lockstep.checkpoint")
 
 
 def ckpt_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
+    return RunDir(run_dir).checkpoints
 
 
 def ckpt_dir(run_dir: str, step: int) -> str:

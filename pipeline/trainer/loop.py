@@ -23,13 +23,11 @@ from pipeline.buffer.writer import remove_step
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
 from pipeline.errors import NonFiniteError
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
-from pipeline.launch.net import bind_address
 from pipeline.observability.sinks import MetricSinks, open_sinks
-from pipeline.observability.startup import StartupClock, startup_file
+from pipeline.observability.startup import StartupClock
 from pipeline.rollout.client import EngineClient, EngineError
 from pipeline.rollout.tito import verify_batch
+from pipeline.run import RunDir, bind_address
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
 from pipeline.trainer.fsdp import FSDPBackend, int4_scale_dtype
@@ -65,7 +63,7 @@ def make_backend(cfg: RunConfig, model_dir: str, device: torch.device):
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: str, clock: StartupClock | None = None):
-        self.cfg, self.layout = cfg, RunLayout(run_dir)
+        self.cfg, self.layout = cfg, RunDir(run_dir)
         self.clock = clock or StartupClock()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -94,8 +92,8 @@ class Trainer:
             with self.clock.phase("first_sync"):
                 self.sync_weights(version=start)
         if self.rank == 0:
-            rdzv.publish_version(self.layout.root, start)
-        self.clock.publish(startup_file(self.layout.root, f"trainer_{self.rank}"))
+            self.layout.publish_version(start)
+        self.clock.publish(self.layout.startup_file(f"trainer_{self.rank}"))
         for step in range(start, cfg.num_rollout):
             t0 = time.monotonic()
             self.step = step
@@ -112,7 +110,7 @@ class Trainer:
             sync = self.sync_weights(version=step + 1)
             self.engine_memory("resume", ["kv_cache"])
             if self.rank == 0:
-                rdzv.publish_version(self.layout.root, step + 1)
+                self.layout.publish_version(step + 1)
             t3 = time.monotonic()
             perf = {"perf/step_time_s": t3 - t0, "perf/rollout_time_s": t1 - t0, "perf/train_time_s": t2 - t1,
                     "perf/weight_sync_time_s": t3 - t2}
@@ -128,14 +126,14 @@ class Trainer:
                     self.save(step + 1)
                 if self.rank == 0:
                     self.metrics.close()
-                    rdzv.publish(rdzv.checkpoint_done_file(self.layout.root), {"step": step + 1})
+                    self.layout.publish_checkpoint_done(step + 1)
                 log.info("checkpointed at step %d on request; exiting for requeue", step + 1)
                 return
         self.finish()
 
     def preemption_requested(self) -> bool:
         """Rank 0 looks for control/CHECKPOINT (the Slurm driver writes it on USR2); all ranks agree."""
-        flag = 1.0 if self.rank == 0 and rdzv.checkpoint_requested(self.layout.root) else 0.0
+        flag = 1.0 if self.rank == 0 and self.layout.checkpoint_requested() else 0.0
         (flag,) = all_reduce([flag], self.device, op=dist.ReduceOp.MAX)
         return flag > 0
 
@@ -153,13 +151,13 @@ class Trainer:
     def connect_engines(self) -> None:
         """Rank 0: the weight transport to every engine (a group, or colocated handles), and a watcher
         that catches up a restarted engine."""
-        root, n, key = self.layout.root, self.cfg.engine.num_engines, os.environ.get("LOCKSTEP_API_KEY")
-        urls = rdzv.engine_urls(root, n, timeout_s=self.cfg.engine.startup_timeout_s)
+        rundir, n, key = self.layout, self.cfg.engine.num_engines, self.layout.token()
+        urls = rundir.engine_urls(n, timeout_s=self.cfg.engine.startup_timeout_s)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = make_sender(self.cfg.weights, clients, self.device, host,
-                                  publish_path=os.path.join(rdzv.rdzv_dir(root), "weights.json"),
-                                  urls=lambda: rdzv.current_engine_urls(root, n), api_key=key)
+                                  publish_path=rundir.weights_file,
+                                  urls=lambda: rundir.current_engine_urls(n), api_key=key)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()
@@ -459,7 +457,7 @@ class Trainer:
             self.export_hf()
         if self.rank == 0:
             self.metrics.close()
-            rdzv.request_stop(self.layout.root)
+            self.layout.request_stop()
             if self.sender:
                 self.sender.close()
 

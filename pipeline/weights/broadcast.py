@@ -23,9 +23,9 @@ from typing import Callable, Iterable
 import torch
 
 from pipeline.config.schema import WeightsConfig
-from pipeline.launch.rendezvous import free_port, publish
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError
+from pipeline.run import free_port, publish
 from pipeline.weights.buckets import buckets_of
 from pipeline.weights.quant import wire
 from pipeline.weights.group import backend_for, broadcast, create_group

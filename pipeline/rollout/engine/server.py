@@ -279,7 +279,7 @@ def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | N
     url = f"http://{host}:{actual_port}"
     log.info("engine serving on %s", url)
     if ready_file:
-        from pipeline.launch.rendezvous import publish
+        from pipeline.run import publish
 
         publish(ready_file, {"url": url, "host": host, "port": actual_port, "pid": os.getpid()})
     if on_ready is not None:
@@ -303,7 +303,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
+    p.add_argument("--api-key", default=None, help="the run's token: requests without it are refused (HTTP 401)")
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving (rendezvous)")
     p.add_argument("--true-on-policy", action="store_true", help="batch-invariant kernels")
     p.add_argument("--mtp-num-layers", type=int, default=None,

@@ -16,11 +16,11 @@ from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.rollout.engine.sampling import hash_uniform, sample, truncation_mask
 
 
-def make_engine(model_dir, max_running=8, context=64, graph_bs=0, quantization=None):
+def make_engine(model_dir, max_running=8, context=64, graph_bs=0, quantization=None, overlap=False):
     _, model = load_model(model_dir)
     engine = Engine(model, max_running=max_running, context_length=context, eos_token_ids=[0],
                     device=torch.device("cpu"), dtype=torch.float32, cuda_graph_max_bs=graph_bs,
-                    quantization=quantization)
+                    quantization=quantization, overlap=overlap)
     engine.capture_graphs()  # as the server does before it serves
     return engine
 
@@ -126,18 +126,16 @@ def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
 
 
 @pytest.mark.parametrize("graph_bs", [0, 4])
-def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs, monkeypatch):
-    """With overlap (LOCKSTEP_OVERLAP=1: step t+1 launched from step t's tokens before the host reads step t) every request
+def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs):
+    """With overlap (engine.overlap_schedule: step t+1 launched from step t's tokens before the host reads step t) every request
     gets the tokens, logprobs and finish reason of the step-by-step engine: requests stopping on a stop
     token in the middle of a batch, length limits of every size, more requests than slots (admission
     while others decode), one abort. Batch-invariant kernels, so batch composition cannot hide a
     difference."""
     from lockstep_kernels import batch_invariant_mode
-    from pipeline.rollout.engine import core
 
     def run(overlap):
-        monkeypatch.setattr(core, "OVERLAP", overlap)
-        engine = make_engine(dense_dir, max_running=4, graph_bs=graph_bs)
+        engine = make_engine(dense_dir, max_running=4, graph_bs=graph_bs, overlap=overlap)
         reqs = [Request([3 + i % 5] * (1 + i % 3), SamplingParams(
             max_new_tokens=2 + (i * 7) % 13, ignore_eos=True, sampling_seed=i,
             stop_token_ids=[7, 11] if i % 2 else [])) for i in range(10)]

@@ -477,10 +477,10 @@ def main(run_dir: str) -> None:
     clock = StartupClock()
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
-    if cfg.determinism.true_on_policy:
-        import lockstep_kernels as kernels
+    import lockstep_kernels as kernels
 
-        kernels.set_batch_invariant(True)
+    kernels.set_backend(cfg.determinism.kernel_backend)
+    kernels.set_batch_invariant(cfg.determinism.true_on_policy)
     backend = "nccl" if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())) else "gloo"
     with clock.phase("process_group"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))

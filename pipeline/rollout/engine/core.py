@@ -11,7 +11,6 @@ updates take `model_lock`, which a step holds, so weights never change in the mi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -84,44 +83,38 @@ class Request:
         return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor onto the device; with overlapped decode from pinned memory, non-blocking (a copy
-    from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
-    if torch.device(device).type != "cuda" or not OVERLAP:
+def _to_device(t: torch.Tensor, device, pinned: bool) -> torch.Tensor:
+    """A host tensor onto the device; `pinned` (overlapped decode): from pinned memory, non-blocking (a
+    copy from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
+    if torch.device(device).type != "cuda" or not pinned:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0) -> dict:
+def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0, pinned: bool = False) -> dict:
     """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
     starting at its next one, `ahead` past it (tokens sampled but not read back yet) (rows request-major:
-    a request's positions are adjacent). Built on the host and moved in two copies; `truncated` (any row
-    with top-p/top-k) is known without reading the device."""
+    a request's positions are adjacent). Built on the host and moved in two copies (pinned: see
+    `_to_device`); `truncated` (any row with top-p/top-k) is known without reading the device."""
     floats = torch.tensor([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32)
     ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs],
                          [len(r.output_ids) + ahead for r in reqs]], dtype=torch.int64)
     if per_request > 1:
         floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
         ints[2] += torch.arange(per_request).repeat(len(reqs))
-    floats, ints = _to_device(floats, device), _to_device(ints, device)
+    floats, ints = _to_device(floats, device, pinned), _to_device(ints, device, pinned)
     return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
             "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}
 
 
-# Overlapped decode (LOCKSTEP_OVERLAP=1): step t+1 is launched from step t's tokens on the device before
-# the host reads step t back (SGLang's overlap scheduler). Off by default: on the H200 its first version
-# ran at 0.67-1.06x of step-by-step decode (its host-to-device copies came from pageable memory, which
-# waits for the stream); the pinned copies since then have not run on a GPU yet (BENCHMARKS.md).
-OVERLAP = os.environ.get("LOCKSTEP_OVERLAP", "0") == "1"
-
-
 class _Pending:
-    """A decode step launched and not read back: row i is reqs[i] (running slot i)."""
+    """A decode step launched and not read back: row i is reqs[i] (running slot i). `overlap`: on a GPU
+    the copy back starts now, into pinned memory, and read() waits for it alone."""
 
-    def __init__(self, reqs: list[Request], tokens_B: torch.Tensor, logps_B: torch.Tensor):
+    def __init__(self, reqs: list[Request], tokens_B: torch.Tensor, logps_B: torch.Tensor, overlap: bool):
         self.reqs, self.tokens = reqs, tokens_B
         self.event = None
-        if tokens_B.is_cuda and OVERLAP:  # start the copy back now; read() waits for it alone
+        if tokens_B.is_cuda and overlap:  # start the copy back now; read() waits for it alone
             self.host = (torch.empty(tokens_B.shape, dtype=tokens_B.dtype, pin_memory=True),
                          torch.empty(logps_B.shape, dtype=logps_B.dtype, pin_memory=True))
             self.host[0].copy_(tokens_B, non_blocking=True)
@@ -151,8 +144,17 @@ class Engine:
         speculative_num_steps: int = 0,
         cuda_graph_max_bs: int = 0,
         quantization: str | None = None,
+        overlap: bool = False,
+        fused_sampling: bool = True,
     ):
+        """overlap: overlapped decode (engine.overlap_schedule): step t+1 is launched from step t's tokens
+        on the device before the host reads step t back (SGLang's overlap scheduler); GPUs, plain decode
+        only. Off by default: on the H200 its first version ran at 0.67-1.06x of step-by-step decode (its
+        host-to-device copies came from pageable memory, which waits for the stream); the pinned copies
+        since then have not run on a GPU yet (BENCHMARKS.md). fused_sampling: the fused Triton sampler on
+        GPUs (engine.sampling_backend=triton; rows without top-p/top-k), the same tokens as the torch path."""
         self.model = model.eval()
+        self.overlap, self.fused_sampling = overlap, fused_sampling
         self.args: ModelArgs = model.args
         self.args.check_context_length(context_length, "the engine's context length")
         self.quantization = quantization
@@ -339,7 +341,7 @@ class Engine:
         self._sample_and_advance(admit, logits, base)
 
     def _decode(self) -> None:
-        """One decode step of every running request. Overlapped (OVERLAP, no routing record): the step
+        """One decode step of every running request. Overlapped (self.overlap, no routing record): the step
         is launched from the previous step's tokens still on the device, and the host reads that
         previous step back (appends, finish checks) while this one runs. A step is not launched ahead
         when a request may reach its length limit with the step before (its row would run past it);
@@ -366,7 +368,7 @@ class Engine:
         self._remove_finished(finished + self._advance(step, 0, skip={slot for slot, _ in finished}))
 
     def _overlappable(self, reqs: list[Request]) -> bool:
-        return OVERLAP and self.spec is None and not any(r.return_routed_experts for r in reqs)
+        return self.overlap and self.spec is None and not any(r.return_routed_experts for r in reqs)
 
     def _can_run_ahead(self, reqs: list[Request]) -> bool:
         """True if no request can finish by length with the step in flight (host counts lag it by one)."""
@@ -389,9 +391,9 @@ class Engine:
 
     def _sample(self, reqs: list[Request], logits_BV: torch.Tensor, ahead: int = 0) -> _Pending:
         """Sample each row's next token (and its logprob); nothing read back yet."""
-        rows = sampling_rows(reqs, self.device, ahead=ahead)
-        tokens_B = sample(logits_BV, **rows)
-        return _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]))
+        rows = sampling_rows(reqs, self.device, ahead=ahead, pinned=self.overlap)
+        tokens_B = sample(logits_BV, **rows, fused=self.fused_sampling)
+        return _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]), self.overlap)
 
     def _advance(self, step: _Pending, first_slot: int, skip: set[int] = frozenset()) -> list[tuple[int, dict]]:
         """Append a step's tokens and logprobs (rows in `skip`: finished before it, discarded); returns

@@ -306,6 +306,14 @@ def parse_args(argv=None):
     p.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving (rendezvous)")
     p.add_argument("--true-on-policy", action="store_true", help="batch-invariant kernels")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch"],
+                   help="auto: Triton kernels on GPUs; torch: the torch paths everywhere (determinism.kernel_backend)")
+    p.add_argument("--enable-overlap-schedule", dest="overlap_schedule", action="store_true", default=False,
+                   help="overlapped decode on GPUs: step t+1 launched before step t is read back (engine.overlap_schedule)")
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   help="step-by-step decode (SGLang's flag; the built-in engine's default)")
+    p.add_argument("--sampling-backend", default="triton", choices=["triton", "pytorch"],
+                   help="triton: the fused Triton sampler on GPUs; pytorch: the torch path (SGLang's flag; engine.sampling_backend)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="MTP draft layers to build (default: as config.json; 1 adds a fresh head if it has none)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN", "EAGLE"],
@@ -323,10 +331,11 @@ def parse_args(argv=None):
 
 def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
                  mtp_layers: int | None = None, speculative_num_steps: int = 0, cuda_graph_max_bs: int | None = None,
-                 quantization: str | None = None, clock: StartupClock | None = None):
+                 quantization: str | None = None, overlap: bool = False, fused_sampling: bool = True,
+                 clock: StartupClock | None = None):
     """The engine of a server, its decode graphs captured. cuda_graph_max_bs: None = max_running on a
-    GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). `clock`
-    times the phases (load, engine, graphs)."""
+    GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). overlap,
+    fused_sampling: see Engine. `clock` times the phases (load, engine, graphs)."""
     from pipeline.models.hf_io import load_model
     from pipeline.models.tokenizer import load_tokenizer
 
@@ -341,7 +350,7 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
         engine = Engine(model, max_running=max_running, context_length=context_length,
                         eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
                         speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
-                        quantization=quantization)
+                        quantization=quantization, overlap=overlap, fused_sampling=fused_sampling)
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # loading's transient blocks (flattening copies the weights once)
     with clock.phase("graphs"):
@@ -354,16 +363,18 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
-    if args.true_on_policy:  # before the engine captures its decode graphs: they record these kernels
-        from lockstep_kernels import enable_batch_invariant_mode
+    # Before the engine captures its decode graphs: they record the kernels these settings pick.
+    import lockstep_kernels
 
-        enable_batch_invariant_mode()
+    lockstep_kernels.set_backend(args.kernel_backend)
+    lockstep_kernels.set_batch_invariant(args.true_on_policy)
     engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,
                                      max_running=args.max_running_requests, context_length=args.context_length,
                                      mtp_layers=args.mtp_num_layers,
                                      speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0,
                                      cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-                                     quantization=args.quantization, clock=clock)
+                                     quantization=args.quantization, overlap=args.overlap_schedule,
+                                     fused_sampling=args.sampling_backend == "triton", clock=clock)
     serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file,
           args.allow_all_interfaces, on_ready=lambda: clock.publish(args.startup_file))
 

@@ -29,13 +29,13 @@ from pipeline.launch.net import bind_address
 from pipeline.observability.metrics import MetricsWriter
 from pipeline.observability.startup import StartupClock, startup_file
 from pipeline.rollout.client import EngineClient, EngineError
+from pipeline.rollout.protocol import MemoryAction, MemoryTag
 from pipeline.rollout.tito import verify_batch
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
 from pipeline.trainer.fsdp import FSDPBackend, int4_scale_dtype
 from pipeline.trainer.targets import Scores, take, token_advantages
-from pipeline.weights.broadcast import BroadcastSender
-from pipeline.weights.tensor import make_sender
+from pipeline.weights.base import WeightTransport, make_transport
 from pipeline.models.qat import int4_values, w4a16_state
 from pipeline.weights.quant import fp8_stream
 
@@ -75,7 +75,7 @@ class Trainer:
         self.dp_rank, self.dp_size, self.dp_group = self.backend.dp_rank, self.backend.dp_size, self.backend.dp_group
         self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
                                    on_corrupt=cfg.buffer.on_corrupt)
-        self.sender: BroadcastSender | None = None
+        self.sender: WeightTransport | None = None
         self.metrics: MetricsWriter | None = None
         self.nonfinite_in_row = 0
         self.step = 0
@@ -100,7 +100,7 @@ class Trainer:
             t0 = time.monotonic()
             self.step = step
             batch, rollout_info = self.get_rollout(step, version=step)
-            self.engine_memory("release")
+            self.engine_memory(MemoryAction.RELEASE)
             t1 = time.monotonic()
             train_metrics = self.train_on(batch)
             if cfg.engine.colocated and self.device.type == "cuda":
@@ -108,9 +108,9 @@ class Trainer:
                 # device, or the GPU would hold the training peak and the engines at once.
                 torch.cuda.empty_cache()
             t2 = time.monotonic()
-            self.engine_memory("resume", ["weights"])
+            self.engine_memory(MemoryAction.RESUME, [MemoryTag.WEIGHTS])
             sync = self.sync_weights(version=step + 1)
-            self.engine_memory("resume", ["kv_cache"])
+            self.engine_memory(MemoryAction.RESUME, [MemoryTag.KV_CACHE])
             if self.rank == 0:
                 rdzv.publish_version(self.layout.root, step + 1)
             t3 = time.monotonic()
@@ -156,21 +156,21 @@ class Trainer:
         urls = rdzv.engine_urls(root, n, timeout_s=self.cfg.engine.startup_timeout_s)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
-        self.sender = make_sender(self.cfg.weights, clients, self.device, host,
-                                  publish_path=os.path.join(rdzv.rdzv_dir(root), "weights.json"),
-                                  urls=lambda: rdzv.current_engine_urls(root, n), api_key=key)
+        self.sender = make_transport(self.cfg.weights, clients, self.device, host,
+                                     publish_path=os.path.join(rdzv.rdzv_dir(root), "weights.json"),
+                                     urls=lambda: rdzv.current_engine_urls(root, n), api_key=key)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()
 
-    def engine_memory(self, action: str, tags: list[str] | None = None) -> None:
+    def engine_memory(self, action: MemoryAction, tags: list[MemoryTag] | None = None) -> None:
         """Colocated engines (engine.colocated): rank 0 has them give their device memory to the trainer
         once the step's rollouts are in, and take it back for the weight update (weights first, so the
         update has somewhere to land; then the KV cache)."""
         if not self.cfg.engine.colocated or self.rank != 0:
             return
         for c in self.sender.live_clients():
-            c.release_memory(tags) if action == "release" else c.resume_memory(tags)
+            c.memory(action, tags)
 
     def get_rollout(self, step: int, version: int) -> tuple[RolloutBatch, dict]:
         """Step `step`'s committed rollouts, reduced to what trains now: finished samples of kept groups,

@@ -26,6 +26,7 @@ from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
 from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
+from pipeline.rollout.protocol import MemoryTag
 from pipeline.rollout.engine.sampling import sample
 
 
@@ -38,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    """Required by the engine (Request refuses None): a request's tokens are a function of its seed."""
 
     @classmethod
     def from_json(cls, d: dict | None) -> "SamplingParams":
@@ -50,7 +52,7 @@ class SamplingParams:
             top_k=int(top_k if top_k is not None else -1),
             stop_token_ids=list(d.get("stop_token_ids") or []),
             ignore_eos=bool(d.get("ignore_eos", False)),
-            sampling_seed=d.get("sampling_seed"),
+            sampling_seed=int(d["sampling_seed"]) if d.get("sampling_seed") is not None else None,
         )
 
 
@@ -64,7 +66,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, moe_layers, k]
     finish_reason: dict | None = None
-    weight_version: str = ""
+    weight_version: int | None = None  # the engine's version when the request was first prefilled
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     abort_requested: bool = False
@@ -73,14 +75,18 @@ class Request:
     spec_verify_ct: int = 0  # verify rounds (SGLang's meta_info spec_verify_ct)
     spec_accepted: int = 0  # drafted tokens accepted
 
+    def __post_init__(self):
+        if self.params.sampling_seed is None:
+            raise ValueError(f"request {self.rid}: sampling_params.sampling_seed is missing: every request needs a"
+                             " seed (its tokens are a function of it; Lockstep's rollout manager derives one per"
+                             " sample from rollout.rollout_seed): pass sampling_seed=<int>")
+
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
     def seed(self) -> int:
-        if self.params.sampling_seed is not None:
-            return int(self.params.sampling_seed)
-        return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
+        return self.params.sampling_seed
 
 
 def _to_device(t: torch.Tensor, device, pinned: bool) -> torch.Tensor:
@@ -179,11 +185,11 @@ class Engine:
         self.cv = threading.Condition()
         self.model_lock = threading.Lock()
         self.paused = False
-        self.weight_version = "0"
+        self.weight_version = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
-        self.released: set[str] = set()  # "weights" / "kv_cache" while their memory is given back
+        self.released: set[MemoryTag] = set()  # tags whose memory is given back
         # Names written by weight updates since released weights' memory came back (None: the weights
         # hold a complete version). Colocated updates arrive in buckets, one request each: generation
         # waits until every parameter has been written again.
@@ -335,7 +341,8 @@ class Engine:
         if self.spec:
             self.spec.after_prefill(admit, [len(s) for s in seqs], hidden)
         for r in admit:
-            r.weight_version = r.weight_version or self.weight_version
+            if r.weight_version is None:
+                r.weight_version = self.weight_version
         self._keep_routing(admit, [len(s) for s in seqs], routing)
         self.stats["prefill_tokens"] += ctx.positions.numel()
         self._sample_and_advance(admit, logits, base)
@@ -455,17 +462,19 @@ class Engine:
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
         req.spec_hidden = None
-        req.weight_version = req.weight_version or self.weight_version
+        if req.weight_version is None:
+            req.weight_version = self.weight_version
         self.stats["finished"] += 1
         req.done.set()
 
     # ---- weights ----------------------------------------------------------------------------------
-    def load_weights(self, named: dict[str, torch.Tensor], version: str) -> None:
+    def load_weights(self, named: dict[str, torch.Tensor], version: int) -> None:
         """Swap in a complete set (or subset) of weights between steps."""
+        assert isinstance(version, int), f"weight versions are ints inside Lockstep, got {version!r}"
         params = self.params
         with self.model_lock, torch.no_grad():
             self._drain()  # tokens of the step in flight came from the weights before
-            if "weights" in self.released:  # memory comes back; the update fills it
+            if MemoryTag.WEIGHTS in self.released:  # memory comes back; the update fills it
                 self._resume_weights()
             written = load_into(params, named)
             if self.refill is not None:
@@ -480,41 +489,41 @@ class Engine:
         return [] if self.refill is None else sorted(set(self.params) - self.refill)
 
     # ---- memory (colocated runs: the trainer takes the device while the engine sleeps) ---------------
-    def release_memory(self, tags: list[str] | None) -> None:
+    def release_memory(self, tags: list[MemoryTag] | None) -> None:
         """SGLang's /release_memory_occupation: free the KV cache and/or the weights' memory. Only while
         nothing runs (pause first). Released weights lose their values: the next weight update brings
         them back; until then /generate is refused."""
-        tags = list(tags or ("weights", "kv_cache"))
+        tags = list(tags or MemoryTag)
         with self.cv:
             if self.waiting or self.running:
                 raise RuntimeError(f"cannot release memory with {len(self.waiting) + len(self.running)} requests "
                                    "in flight (pause_generation and wait, or abort them first)")
             self.paused = True
         with self.model_lock:
-            if "kv_cache" in tags and "kv_cache" not in self.released:
+            if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE not in self.released:
                 for t in self._cache_tensors():
                     t.untyped_storage().resize_(0)
-                self.released.add("kv_cache")
-            if "weights" in tags and "weights" not in self.released:
+                self.released.add(MemoryTag.KV_CACHE)
+            if MemoryTag.WEIGHTS in tags and MemoryTag.WEIGHTS not in self.released:
                 for flat in self.flat_weights:
                     flat.untyped_storage().resize_(0)
-                self.released.add("weights")
+                self.released.add(MemoryTag.WEIGHTS)
             if self.graphs is not None:  # graphs point at the memory just given back
                 self.graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def resume_memory(self, tags: list[str] | None) -> None:
+    def resume_memory(self, tags: list[MemoryTag] | None) -> None:
         """SGLang's /resume_memory_occupation: take the memory back (weights hold no valid values
         until the next update; the KV cache is empty)."""
-        tags = list(tags or ("weights", "kv_cache"))
+        tags = list(tags or MemoryTag)
         with self.model_lock:
-            if "kv_cache" in tags and "kv_cache" in self.released:
+            if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE in self.released:
                 for t in self._cache_tensors():
                     t.untyped_storage().resize_(t.numel() * t.element_size())
                     t.zero_()
-                self.released.discard("kv_cache")
-            if "weights" in tags and "weights" in self.released:
+                self.released.discard(MemoryTag.KV_CACHE)
+            if MemoryTag.WEIGHTS in tags and MemoryTag.WEIGHTS in self.released:
                 self._resume_weights()
         if not self.released:
             self.resume()
@@ -526,13 +535,13 @@ class Engine:
     def _resume_weights(self) -> None:
         for flat in self.flat_weights:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        self.released.discard("weights")
+        self.released.discard(MemoryTag.WEIGHTS)
         self.refill = set()  # the memory is back, its values are not
 
     def unavailable(self) -> str | None:
         """Why /generate cannot be served right now (memory released, or weights not refilled)."""
         if self.released:
-            return f"memory released ({', '.join(sorted(self.released))}): call /resume_memory_occupation"
+            return f"memory released ({', '.join(sorted(t.value for t in self.released))}): call /resume_memory_occupation"
         missing = self.missing_after_release()
         if missing:
             return (f"weights were released and {len(missing)} of {len(self.params)} parameters (e.g. {missing[0]}) "

@@ -104,6 +104,82 @@ def test_mode_switch_restores_state():
     assert not kernels.is_batch_invariant()
 
 
+def test_mode_switch_thread_override_and_process_default():
+    """set_batch_invariant is every thread's default; batch_invariant_mode() overrides it for its own
+    thread only, and the default set inside a block shows once the block ends."""
+    import threading
+
+    seen = {}
+
+    def other(key):
+        seen[key] = kernels.is_batch_invariant()
+
+    try:
+        with kernels.batch_invariant_mode():
+            t = threading.Thread(target=other, args=("during_block",))
+            t.start()
+            t.join()
+            kernels.set_batch_invariant(True)
+            with kernels.batch_invariant_mode(False):
+                assert not kernels.is_batch_invariant()  # the override beats the default
+        assert seen["during_block"] is False  # another thread sees the default, not this thread's block
+        assert kernels.is_batch_invariant()  # the default set inside the block
+        t = threading.Thread(target=other, args=("default_on",))
+        t.start()
+        t.join()
+        assert seen["default_on"] is True
+    finally:
+        kernels.set_batch_invariant(False)
+    assert not kernels.is_batch_invariant()
+    assert not hasattr(kernels, "enable_batch_invariant_mode")  # one switch: no third name
+
+
+def test_kernel_library_imports_nothing_from_pipeline():
+    code = ("import sys, lockstep_kernels, lockstep_kernels.fp8, lockstep_kernels.int4, lockstep_kernels.torch_ref; "
+            "print(sorted(m for m in sys.modules if m == 'pipeline' or m.startswith('pipeline.')))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+def test_kernel_library_has_no_import_cycle():
+    """Every import between lockstep_kernels modules, at module level or inside a function, forms no
+    cycle (lockstep_kernels/fp8.py and gpu/fp8.py once imported each other), and none names pipeline."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(REPO)
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (root / "lockstep_kernels").rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names]
+            else:
+                continue
+            assert not any(f == "pipeline" or f.startswith("pipeline.") for f in found), (name, found)
+            targets |= {f for f in found if f in modules and f != name}
+        edges[name] = targets
+
+    def cycle_from(start, node, path):
+        for nxt in edges[node]:
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, nxt, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    for name in modules:
+        cyc = cycle_from(name, name, [name])
+        assert cyc is None, " -> ".join(cyc)
+
+
 # ---- whole pipeline --------------------------------------------------------------------------------
 
 STEPS = ["num_rollout=3", "rollout_batch_size=8", "global_batch_size=64", "checkpoint.export_hf=false",

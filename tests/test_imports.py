@@ -24,17 +24,6 @@ PACKAGES = ("pipeline", "lockstep_kernels")
 # (importer, imported) -> why it is still there. Each closes an import cycle (or, the first, makes the
 # kernel library import the app); without them the graph has no cycle.
 KNOWN_EDGES = {
-    ("lockstep_kernels.ops", "pipeline.models.logprobs"):
-        "lockstep_kernels must not import pipeline: the kernels/weights change is removing this one"
-        " (ops.token_logprobs' fallback), which also closes lockstep_kernels -> ops -> pipeline.models.logprobs",
-    ("lockstep_kernels.ops", "lockstep_kernels"):
-        "kernels (kernels/weights change): ops._bi() imports is_batch_invariant from the package, whose"
-        " __init__ imports ops",
-    ("lockstep_kernels.gpu.fp8", "lockstep_kernels.fp8"):
-        "kernels (kernels/weights change): fp8.py dispatches to gpu/fp8.py, which takes its constants back",
-    ("lockstep_kernels.gpu.fp8_matmul", "lockstep_kernels.fp8"):
-        "kernels (kernels/weights change): fp8.py dispatches to gpu/fp8_matmul.py, which takes its constants"
-        " and reference quantizer back",
     ("pipeline.config.schema", "pipeline.trainer.megatron.backend"):
         "trainer change (config validation): RunConfig.__post_init__ calls megatron's check_config, and the"
         " backend imports the schema",

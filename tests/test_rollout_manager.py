@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.buffer.reader import BufferReader
-from pipeline.buffer.schema import STATUS, TRAINABLE
+from pipeline.buffer.schema import TRAINABLE, SampleStatus
 from pipeline.observability.metrics import read_metrics
 from pipeline.run import RunDir
 
@@ -62,7 +62,7 @@ def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
         for i in range(len(batch)):
             if batch.status[i] in TRAINABLE and batch.loss_mask[batch.response_slice(i)].min() == 0:
                 continued += 1
-        assert all(st in (STATUS["aborted"], STATUS["deferred"]) for m, st in zip(metas, batch.status)
+        assert all(st in (SampleStatus.ABORTED, SampleStatus.DEFERRED) for m, st in zip(metas, batch.status)
                    if m["draw"] in state["pending_draws"])
     last = reader.commit(steps[-1])["rollout_state"]
     drawn = set(range(last["next_draw"]))

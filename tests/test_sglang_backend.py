@@ -21,6 +21,7 @@ from pipeline.errors import ComponentFailed
 from pipeline.models.hf_io import load_model
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError, EnginePool, EngineStateError
+from pipeline.rollout.protocol import MemoryTag
 from pipeline.rollout.router import SglangRouter
 from pipeline.rollout.sglang_server import SglangSupervisor
 from pipeline.run import RunDir
@@ -82,7 +83,7 @@ def test_router_waits_for_every_engine_to_hold_the_version(dense_dir, engine_fac
         with pytest.raises(EngineError, match="weight version >= 1"):
             pool.generate([[5]], [params()], min_version=1)
         EngineClient(engines[1].url, api_key=TOKEN).update_weights_from_tensor(named, version=1)
-        assert pool.generate([[5]], [params()], min_version=1)[0].weight_version == "1"
+        assert pool.generate([[5]], [params()], min_version=1)[0].weight_version == 1
     finally:
         router.stop()
 
@@ -107,19 +108,21 @@ def test_colocated_tensor_update_memory_release_and_resume(dense_dir, engine_fac
     changed = dict(original, **{"model.norm.weight": torch.full_like(original["model.norm.weight"], 0.5)})
     c.update_weights_from_tensor(list(changed.items()), version=1)
     got = c.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
-    assert got == [0.5, 0.5, 0.5] and c.weight_version() == "1"
+    assert got == [0.5, 0.5, 0.5] and c.weight_version() == 1
 
     c.release_memory()  # both weights and KV cache
     with pytest.raises(EngineStateError, match="memory released"):
         c.generate([[5]], [params()])
-    assert "kv_cache" in c.release_memory(["kv_cache"])["message"]  # releasing again is harmless
+    assert "kv_cache" in c.release_memory([MemoryTag.KV_CACHE])["message"]  # releasing again is harmless
+    with pytest.raises(EngineError, match="unknown memory tag"):
+        c.checked("/release_memory_occupation", {"tags": ["gpu"]})
     c.resume_memory()
     with pytest.raises(EngineStateError, match="send a complete update"):
         c.generate([[5]], [params()])
     c.update_weights_from_tensor(list(original.items()), version=2)
     after = c.generate([[5, 6, 7]], [params(6)])[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
-    assert after.weight_version == "2"
+    assert after.weight_version == 2
 
 
 def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory):
@@ -135,8 +138,8 @@ def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_
     items = list(model.state_dict().items())
     first, rest = items[: len(items) // 2], items[len(items) // 2:]
     c.release_memory()
-    c.resume_memory(["weights"])
-    c.resume_memory(["kv_cache"])
+    c.resume_memory([MemoryTag.WEIGHTS])
+    c.resume_memory([MemoryTag.KV_CACHE])
     c.update_weights_from_tensor(first)  # a bucket without a version
     with pytest.raises(EngineStateError, match="have not been written"):
         c.generate([[5]], [params()])
@@ -159,7 +162,7 @@ def test_tensor_update_refuses_anything_but_tensors(dense_dir, engine_factory):
         c.checked("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
     with pytest.raises(EngineError, match="unknown parameter"):
         c.update_weights_from_tensor([("model.no_such.weight", torch.zeros(2))], version=5)
-    assert c.weight_version() == "0"
+    assert c.weight_version() == 0
 
 
 @pytest.mark.slow

@@ -107,7 +107,8 @@ def distill_head(model, prompts, steps: int = 150) -> float:
     """Train the MTP head alone on the target's own greedy continuations; returns the final loss."""
     seqs = [r.input_ids + r.output_ids for r in generate(engine_for(model, 0, max_running=16), prompts,
                                                          [SamplingParams(max_new_tokens=24, temperature=0.0,
-                                                                         ignore_eos=True)] * len(prompts))]
+                                                                         ignore_eos=True, sampling_seed=0)]
+                                                         * len(prompts))]
     ctx = PackedCausal.from_lengths([len(s) for s in seqs])
     ids = torch.tensor([t for s in seqs for t in s])
     score = torch.cat([torch.arange(int(a), int(b) - 1) for a, b in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:])])
@@ -133,7 +134,7 @@ def test_a_trained_draft_head_is_accepted_and_saves_forwards(mtp_dense_dir):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 40, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
                for _ in range(32)]
-    greedy = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * 8
+    greedy = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, sampling_seed=0)] * 8
 
     def accept_rate():
         e = engine_for(model, 3)

@@ -204,6 +204,18 @@ class LocalEngineConfig(EngineCommon):
     MI300), a dequantising torch reference elsewhere (correct, slow). With weights.quantization=fp8
     the sync's FP8 pairs are kept as sent; otherwise each update is quantised on arrival. SGLang's
     --quantization fp8 for the built-in engine."""
+    overlap_schedule: bool = False
+    """Overlapped decode (SGLang's overlap scheduler; server flag --enable-overlap-schedule): step t+1 is
+    launched from step t's sampled tokens still on the device while the host reads step t back (appends,
+    finish checks). The same tokens and logprobs as step-by-step decode; plain decode only (not with
+    speculative decoding or routing records, which run step by step). Off by default: on the H200 its
+    first version ran at 0.67-1.06x of step-by-step decode; the pinned copies since then have not been
+    measured on a GPU yet (BENCHMARKS.md, bench/engine_bench.py --overlap)."""
+    sampling_backend: Literal["triton", "pytorch"] = "triton"
+    """How a GPU engine samples (SGLang --sampling-backend; there flashinfer | pytorch): triton = one fused
+    Triton pass over the logits for batches without top-p/top-k (1.2-2.2x decode at batch 64-256 on the
+    H200, bench/engine_bench.py --fused-sampling); pytorch = the torch path. Both give the same tokens;
+    CPUs always take the torch path."""
 
 
 @dataclass
@@ -455,6 +467,10 @@ class DeterminismConfig:
     """R3: engines record each token's experts, the trainer's MoE routers replay them (MoE models only)."""
     record_routing: bool = True
     """MoE models: engines return routed experts even without R3, so the routing mismatch is measured."""
+    kernel_backend: Literal["auto", "torch"] = "auto"
+    """Kernels of the model code in built-in engines and trainers alike (lockstep_kernels): auto = the
+    Triton kernels on GPUs (CUDA and ROCm) and the torch paths on CPUs; torch = the torch paths on GPUs
+    too (slower: for a GPU where Triton is missing or suspect). Engine flag --kernel-backend."""
 
 
 @dataclass

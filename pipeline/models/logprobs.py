@@ -12,17 +12,7 @@ from __future__ import annotations
 import torch
 
 import lockstep_kernels as kernels
-
-GREEDY_EPS = 1e-5
-
-
-def scaled_logits(logits_MV: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    """fp32 logits divided by the temperature (temperature ~0 means greedy: scored at 1)."""
-    logits = logits_MV.float()
-    if isinstance(temperature, torch.Tensor):
-        t = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature).float()
-        return logits / t[:, None]
-    return logits / (temperature if temperature >= GREEDY_EPS else 1.0)
+from lockstep_kernels import GREEDY_EPS, scaled_logits  # noqa: F401  (the kernel library's; re-exported)
 
 
 def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

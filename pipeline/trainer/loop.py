@@ -26,14 +26,14 @@ from pipeline.errors import NonFiniteError
 from pipeline.observability.sinks import MetricSinks, open_sinks
 from pipeline.observability.startup import StartupClock
 from pipeline.rollout.client import EngineClient, EngineError
+from pipeline.rollout.protocol import MemoryAction, MemoryTag
 from pipeline.rollout.tito import verify_batch
 from pipeline.run import RunDir, bind_address
 from pipeline.trainer import checkpoint
 from pipeline.trainer.batching import MicroBatch, balance_across_ranks, build_micro_batch, pack_micro_batches
 from pipeline.trainer.fsdp import FSDPBackend, int4_scale_dtype
 from pipeline.trainer.targets import Scores, take, token_advantages
-from pipeline.weights.broadcast import BroadcastSender
-from pipeline.weights.tensor import make_sender
+from pipeline.weights.base import WeightTransport, make_transport
 from pipeline.models.qat import int4_values, w4a16_state
 from pipeline.weights.quant import fp8_stream
 
@@ -73,7 +73,7 @@ class Trainer:
         self.dp_rank, self.dp_size, self.dp_group = self.backend.dp_rank, self.backend.dp_size, self.backend.dp_group
         self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
                                    on_corrupt=cfg.buffer.on_corrupt)
-        self.sender: BroadcastSender | None = None
+        self.sender: WeightTransport | None = None
         self.metrics: MetricSinks | None = None
         self.nonfinite_in_row = 0
         self.step = 0
@@ -98,7 +98,7 @@ class Trainer:
             t0 = time.monotonic()
             self.step = step
             batch, rollout_info = self.get_rollout(step, version=step)
-            self.engine_memory("release")
+            self.engine_memory(MemoryAction.RELEASE)
             t1 = time.monotonic()
             train_metrics = self.train_on(batch)
             if cfg.engine.colocated and self.device.type == "cuda":
@@ -106,9 +106,9 @@ class Trainer:
                 # device, or the GPU would hold the training peak and the engines at once.
                 torch.cuda.empty_cache()
             t2 = time.monotonic()
-            self.engine_memory("resume", ["weights"])
+            self.engine_memory(MemoryAction.RESUME, [MemoryTag.WEIGHTS])
             sync = self.sync_weights(version=step + 1)
-            self.engine_memory("resume", ["kv_cache"])
+            self.engine_memory(MemoryAction.RESUME, [MemoryTag.KV_CACHE])
             if self.rank == 0:
                 self.layout.publish_version(step + 1)
             t3 = time.monotonic()
@@ -155,21 +155,21 @@ class Trainer:
         urls = rundir.engine_urls(n, timeout_s=self.cfg.engine.startup_timeout_s)
         clients = [EngineClient(u, timeout_s=self.cfg.weights.timeout_s, api_key=key) for u in urls]
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
-        self.sender = make_sender(self.cfg.weights, clients, self.device, host,
-                                  publish_path=rundir.weights_file,
-                                  urls=lambda: rundir.current_engine_urls(n), api_key=key)
+        self.sender = make_transport(self.cfg.weights, clients, self.device, host,
+                                     publish_path=rundir.weights_file,
+                                     urls=lambda: rundir.current_engine_urls(n), api_key=key)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()
 
-    def engine_memory(self, action: str, tags: list[str] | None = None) -> None:
+    def engine_memory(self, action: MemoryAction, tags: list[MemoryTag] | None = None) -> None:
         """Colocated engines (engine.colocated): rank 0 has them give their device memory to the trainer
         once the step's rollouts are in, and take it back for the weight update (weights first, so the
         update has somewhere to land; then the KV cache)."""
         if not self.cfg.engine.colocated or self.rank != 0:
             return
         for c in self.sender.live_clients():
-            c.release_memory(tags) if action == "release" else c.resume_memory(tags)
+            c.memory(action, tags)
 
     def get_rollout(self, step: int, version: int) -> tuple[RolloutBatch, dict]:
         """Step `step`'s committed rollouts, reduced to what trains now: finished samples of kept groups,
@@ -477,10 +477,10 @@ def main(run_dir: str) -> None:
     clock = StartupClock()
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
-    if cfg.determinism.true_on_policy:
-        import lockstep_kernels as kernels
+    import lockstep_kernels as kernels
 
-        kernels.set_batch_invariant(True)
+    kernels.set_backend(cfg.determinism.kernel_backend)
+    kernels.set_batch_invariant(cfg.determinism.true_on_policy)
     backend = "nccl" if (cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())) else "gloo"
     with clock.phase("process_group"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))

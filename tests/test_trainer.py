@@ -16,7 +16,8 @@ from pipeline.trainer.base import TrainerBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the modules that drive a backend: the step loop and the helpers it hands the backend to
-DRIVERS = ("pipeline/trainer/loop.py", "pipeline/trainer/scoring.py", "pipeline/trainer/objective.py")
+DRIVERS = ("pipeline/trainer/loop.py", "pipeline/trainer/scoring.py", "pipeline/trainer/objective.py",
+           "pipeline/trainer/checkpoint.py")
 
 
 def backend_reads(path: str) -> set[str]:

@@ -61,10 +61,7 @@ class Trainer:
         self.device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
         with self.clock.phase("model"):  # load, shard, optimizer (and reference model / critic)
             self.backend = b = make_backend(cfg, self.layout.model_dir(cfg), self.device)
-        # Ranks of one tensor-parallel group (megatron) read the same data; sums of data run over DP.
-        self.planner = Planner(b.dp_rank, b.dp_size, b.dp_group, self.device, cfg.optimizer_steps_per_rollout,
-                               min_max_len=cfg.rollout.rollout_max_response_len
-                               if cfg.algo.loss_reduction == "seq_mean_token_sum" else 0)
+        self.planner = Planner.for_backend(cfg, b, self.device)
         self.objective = Objective.from_config(cfg, b.args)
         self.reader = BufferReader(self.layout.buffer, verify=cfg.buffer.verify_checksums,
                                    on_corrupt=cfg.buffer.on_corrupt)
@@ -75,55 +72,40 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
-        cfg = self.cfg
+        for step in range(self.start(), self.cfg.num_rollout):
+            self.step = step
+            times = [time.monotonic()]
+            batch, commit = self.get_rollout(step, version=step)
+            self.engine_memory("release")  # colocated engines: the GPU is the trainer's until the update
+            times.append(time.monotonic())
+            train = self.train_step(batch)
+            self.return_cached_memory()
+            times.append(time.monotonic())
+            sync = self.update_engines(version=step + 1)
+            times.append(time.monotonic())
+            self.log_step(step, commit, train, step_times(times), sync)
+            self.collect_consumed(step)
+            if self.save_or_stop(done_steps=step + 1):
+                return
+        self.finish()
+
+    def start(self) -> int:
+        """Resume from the latest checkpoint, connect to the engines and publish the weight version
+        they serve; the first step to run."""
         with self.clock.phase("resume"):
-            start = self.resume()
+            start = checkpoint.resume_backend(self.layout.root, self.backend)
         if self.rank == 0:
             self.metrics = MetricsWriter(self.layout.root, start_step=start)
             with self.clock.phase("wait_engines"):
                 self.connect_engines()
-        if start > 0 or cfg.train.int4_qat:
+        if start > 0 or self.cfg.train.int4_qat:
             # engines loaded version 0 from disk (and, for INT4 QAT, not yet on the INT4 grid)
             with self.clock.phase("first_sync"):
                 self.sync_weights(version=start)
         if self.rank == 0:
             rdzv.publish_version(self.layout.root, start)
         self.clock.publish(startup_file(self.layout.root, f"trainer_{self.rank}"))
-        for step in range(start, cfg.num_rollout):
-            t0 = time.monotonic()
-            self.step = step
-            batch, rollout_info = self.get_rollout(step, version=step)
-            self.engine_memory("release")
-            t1 = time.monotonic()
-            train_metrics = self.train_step(batch)
-            if cfg.engine.colocated and self.device.type == "cuda":
-                # The engines wake beside us: the allocator's cached activation blocks go back to the
-                # device, or the GPU would hold the training peak and the engines at once.
-                torch.cuda.empty_cache()
-            t2 = time.monotonic()
-            self.engine_memory("resume", ["weights"])
-            sync = self.sync_weights(version=step + 1)
-            self.engine_memory("resume", ["kv_cache"])
-            if self.rank == 0:
-                rdzv.publish_version(self.layout.root, step + 1)
-            t3 = time.monotonic()
-            perf = {"perf/step_time_s": t3 - t0, "perf/rollout_time_s": t1 - t0, "perf/train_time_s": t2 - t1,
-                    "perf/weight_sync_time_s": t3 - t2}
-            self.log_step(step, rollout_info, train_metrics, perf, sync)
-            if not cfg.buffer.keep_consumed and self.rank == 0 and step > 0:
-                # The newest committed step holds the rollout side's state (prompt cursor, unfinished
-                # groups): collect the one before it.
-                remove_step(self.layout.buffer, step - 1)
-            if self.should_save(step + 1):
-                self.save(step + 1)
-            if step + 1 < cfg.num_rollout and self.preemption_requested():
-                if not self.should_save(step + 1):
-                    self.save(step + 1)
-                if self.rank == 0:
-                    rdzv.publish(rdzv.checkpoint_done_file(self.layout.root), {"step": step + 1})
-                log.info("checkpointed at step %d on request; exiting for requeue", step + 1)
-                return
-        self.finish()
+        return start
 
     def train_step(self, batch: RolloutBatch) -> dict:
         """One rollout step of training: plan, score, compute advantages, then one optimizer step per
@@ -225,6 +207,22 @@ class Trainer:
         for c in self.sender.live_clients():
             c.release_memory(tags) if action == "release" else c.resume_memory(tags)
 
+    def return_cached_memory(self) -> None:
+        """Colocated on a GPU: the engines wake beside us, so the allocator's cached activation blocks go
+        back to the device, or the GPU would hold the training peak and the engines at once."""
+        if self.cfg.engine.colocated and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def update_engines(self, version: int) -> dict:
+        """The new weights to the engines (colocated ones take their memory back around it), then
+        publish the version."""
+        self.engine_memory("resume", ["weights"])
+        sync = self.sync_weights(version)
+        self.engine_memory("resume", ["kv_cache"])
+        if self.rank == 0:
+            rdzv.publish_version(self.layout.root, version)
+        return sync
+
     def sync_weights(self, version: int) -> dict:
         """Collective: all ranks gather full tensors; rank 0 sends them to the engines."""
         state = self.backend.full_state(getattr(torch, self.cfg.model.dtype))
@@ -265,29 +263,32 @@ class Trainer:
         except EngineError:  # an engine is being restarted: no reading this step
             return []
 
-    def resume(self) -> int:
-        checkpoint.clean_partial(self.layout.root)
-        latest = checkpoint.latest_checkpoint(self.layout.root)
-        if latest is None:
-            return 0
-        b = self.backend
-        record = checkpoint.load(self.layout.root, latest, b.model, b.optimizer, b.scheduler, critic=self.critic_pair())
-        log.info("resumed from checkpoint step %d", latest)
-        return int(record["step"])
+    def collect_consumed(self, step: int) -> None:
+        """buffer.keep_consumed=false: delete trained-on rollout steps. The newest committed step holds
+        the rollout side's state (prompt cursor, unfinished groups): collect the one before it."""
+        if not self.cfg.buffer.keep_consumed and self.rank == 0 and step > 0:
+            remove_step(self.layout.buffer, step - 1)
+
+    def save_or_stop(self, done_steps: int) -> bool:
+        """Checkpoint on schedule; on a pre-emption request checkpoint (once) and tell the driver.
+        True: stop here for the requeue."""
+        if self.should_save(done_steps):
+            self.save(done_steps)
+        if done_steps < self.cfg.num_rollout and self.preemption_requested():
+            if not self.should_save(done_steps):
+                self.save(done_steps)
+            if self.rank == 0:
+                rdzv.publish(rdzv.checkpoint_done_file(self.layout.root), {"step": done_steps})
+            log.info("checkpointed at step %d on request; exiting for requeue", done_steps)
+            return True
+        return False
 
     def should_save(self, done_steps: int) -> bool:
         k = self.cfg.checkpoint.save_interval
         return (self.cfg.checkpoint.save_final and done_steps == self.cfg.num_rollout) or (k > 0 and done_steps % k == 0)
 
     def save(self, done_steps: int) -> None:
-        b = self.backend
-        checkpoint.save(self.layout.root, done_steps, b.model, b.optimizer, b.scheduler,
-                        {"weight_version": done_steps}, self.cfg.checkpoint.keep_last, critic=self.critic_pair())
-
-    def critic_pair(self) -> tuple | None:
-        """PPO's critic and its optimizer, checkpointed with the policy (a resumed run continues its values)."""
-        b = self.backend
-        return (b.critic, b.critic_optimizer) if b.critic is not None else None
+        checkpoint.save_backend(self.layout.root, done_steps, self.backend, self.cfg.checkpoint.keep_last)
 
     def finish(self) -> None:
         if self.cfg.checkpoint.export_hf:
@@ -298,6 +299,12 @@ class Trainer:
             rdzv.request_stop(self.layout.root)
             if self.sender:
                 self.sender.close()
+
+
+def step_times(t: list[float]) -> dict[str, float]:
+    """perf/* of a step from its four instants: start, rollouts in, trained, engines updated."""
+    return {"perf/step_time_s": t[3] - t[0], "perf/rollout_time_s": t[1] - t[0], "perf/train_time_s": t[2] - t[1],
+            "perf/weight_sync_time_s": t[3] - t[2]}
 
 
 def main(run_dir: str) -> None:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.buffer.schema import RolloutBatch
+from pipeline.config.schema import RunConfig
+from pipeline.trainer.base import TrainerBackend
 from pipeline.trainer.batching import balance_across_ranks, pack_micro_batches
 from pipeline.trainer.metrics import all_reduce
 
@@ -45,6 +47,12 @@ class Planner:
     """Optimizer steps per rollout step."""
     min_max_len: int = 0
     """A floor under GlobalCounts.max_len (Dr. GRPO's constant normaliser: the response length limit)."""
+
+    @classmethod
+    def for_backend(cls, cfg: RunConfig, b: TrainerBackend, device: torch.device) -> Planner:
+        """Ranks of one tensor-parallel group (megatron) read the same data: plans and sums run over DP."""
+        floor = cfg.rollout.rollout_max_response_len if cfg.algo.loss_reduction == "seq_mean_token_sum" else 0
+        return cls(b.dp_rank, b.dp_size, b.dp_group, device, cfg.optimizer_steps_per_rollout, min_max_len=floor)
 
     def plan(self, batch: RolloutBatch, budget: int) -> list[Plan]:
         """This rank's micro-batches of every mini-batch, each under `budget` tokens. Collective."""

@@ -39,6 +39,8 @@ class GlobalCounts:
 
 @dataclass
 class Planner:
+    """Plans rollout batches for this data-parallel rank."""
+
     dp_rank: int
     dp_size: int
     dp_group: object

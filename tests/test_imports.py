@@ -24,9 +24,6 @@ PACKAGES = ("pipeline", "lockstep_kernels")
 # (importer, imported) -> why it is still there. Each closes an import cycle (or, the first, makes the
 # kernel library import the app); without them the graph has no cycle.
 KNOWN_EDGES = {
-    ("pipeline.config.schema", "pipeline.trainer.megatron.backend"):
-        "trainer change (config validation): RunConfig.__post_init__ calls megatron's check_config, and the"
-        " backend imports the schema",
     ("pipeline.rollout.engine.speculative", "pipeline.rollout.engine.core"):
         "engine: speculative.py takes sampling_rows from core.py, which builds the SpecDecoder (sampling_rows"
         " reads LOCKSTEP_OVERLAP, the switch the kernels/weights change is turning into config)",

@@ -176,7 +176,8 @@ def test_megatron_ppo_critic_matches_fsdp_and_resumes(tmp_path):
 def test_pipeline_stage_split_round_trips(tied_dir):
     """Each stage keeps its layers (renumbered from 0) and its ends; the tied embedding's copy sits on
     the last stage as its output layer; the stages' shards put back together are the whole model's."""
-    from pipeline.trainer.megatron.convert import check_parallel, global_names, stage_shard
+    from pipeline.config.validate import check_parallel
+    from pipeline.trainer.megatron.convert import global_names, stage_shard
 
     args, model = load_model(tied_dir)
     whole = to_megatron(model.state_dict(), args)

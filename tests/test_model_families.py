@@ -381,11 +381,11 @@ def test_megatron_logits_equal_ours(megatron_dirs, tmp_path):
 
 def test_megatron_refuses_biases_it_cannot_express():
     from pipeline.errors import ConfigError
-    from pipeline.trainer.megatron.model import check_model
+    from pipeline.config.validate import check_megatron_model
 
-    check_model(ModelArgs.from_hf(QWEN25_7B_INSTRUCT))
+    check_megatron_model(ModelArgs.from_hf(QWEN25_7B_INSTRUCT))
     with pytest.raises(ConfigError, match="attention_bias=true on model_type 'llama' .o_proj bias., mlp_bias=true"):
-        check_model(ModelArgs.from_hf(_edit(LLAMA31_8B_INSTRUCT, attention_bias=True, mlp_bias=True)))
+        check_megatron_model(ModelArgs.from_hf(_edit(LLAMA31_8B_INSTRUCT, attention_bias=True, mlp_bias=True)))
 
 
 # ---- whole runs -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Run configuration: typed sections (schema.py) and strict loading with overrides (core.py)."""
+"""Run configuration: typed sections (schema.py), strict loading with overrides (core.py), checks against
+the model's shape (validate.py)."""
 
 from __future__ import annotations
 

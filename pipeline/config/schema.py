@@ -3,7 +3,8 @@
 Names follow Miles/slime where the concept exists there (rollout_batch_size, n_samples_per_prompt,
 global_batch_size, rollout_max_response_len, max_tokens_per_gpu, eps_clip, kl_loss_coef, ...), so a
 Miles command line translates key for key. Each section checks itself in `__post_init__`; checks that
-span sections live in `RunConfig.__post_init__`. Every error names the fix.
+span sections live in `RunConfig.__post_init__`; checks that need the model's shape live in
+validate.py. Every error names the fix.
 """
 
 from __future__ import annotations
@@ -352,6 +353,13 @@ class TrainConfig:
                     self.pipeline_model_parallel_size, self.sequence_parallel)
         if self.backend == "fsdp" and parallel != (1, 1, 1, False):
             raise ConfigError("tensor/expert/pipeline/sequence parallelism are megatron options: set train.backend=megatron")
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.num_gpus % mp:
+            raise ConfigError(f"train.num_gpus ({self.num_gpus}) must be divisible by train.tensor_model_parallel_size x"
+                              f" train.pipeline_model_parallel_size ({mp})")
+        if (self.num_gpus // mp) % self.expert_model_parallel_size:
+            raise ConfigError(f"train.expert_model_parallel_size ({self.expert_model_parallel_size}) must divide the data"
+                              f" parallel size num_gpus / (tensor x pipeline model parallel size) ({self.num_gpus // mp})")
         if self.mtp_loss_scaling_factor < 0:
             raise ConfigError(f"train.mtp_loss_scaling_factor must be >= 0 (got {self.mtp_loss_scaling_factor})")
         if self.clip_grad < 0:
@@ -678,9 +686,15 @@ class RunConfig:
             raise ConfigError("engine.quantization=fp8 and determinism.true_on_policy exclude each other: an FP8"
                               " engine computes other numbers than the trainer by design (use TIS instead)")
         if t.backend == "megatron":
-            from pipeline.trainer.megatron.backend import check_config
-
-            check_config(self)
+            refuse = {
+                "model.mtp_num_layers": self.model.mtp_num_layers > 0,
+                "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
+                " across ranks, in an order the engine does not)":
+                    self.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
+            }
+            bad = [k for k, v in refuse.items() if v]
+            if bad:
+                raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)} yet: use train.backend=fsdp")
         if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
             raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
                               " MTP head: set model.mtp_num_layers=1")

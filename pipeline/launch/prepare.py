@@ -1,7 +1,8 @@
 """Turn a loaded config into a ready run directory (shared by `lockstep run` and `lockstep submit`).
 
 Resolves paths to absolute ones (components may start in another working directory, on another
-node), checks inputs before anything is launched (files, and whether the run fits the GPUs' memory),
+node), checks inputs before anything is launched (files, the config against the model's shape:
+pipeline/config/validate.py, and whether the run fits the GPUs' memory),
 creates the starting model when none is given, and writes the resolved config every component reads.
 """
 
@@ -36,6 +37,9 @@ def check_inputs(cfg: RunConfig) -> None:
     against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    from pipeline.config.memory import model_args
+    from pipeline.config.validate import validate
+
     vocab = None
     if cfg.model.path:
         if not os.path.isdir(cfg.model.path):
@@ -43,16 +47,13 @@ def check_inputs(cfg: RunConfig) -> None:
         from pipeline.models.hf_io import read_model_args
 
         args = read_model_args(cfg.model.path)
-        args.check_context_length(cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len,
-                                  "data.max_prompt_len + rollout.rollout_max_response_len")
-        if cfg.train.backend == "megatron":
-            from pipeline.trainer.megatron.model import check_model
-
-            check_model(args)
+        validate(cfg, args)
         check_weights_present(cfg.model.path)
         if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
             raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
         vocab = args.vocab_size
+    else:
+        validate(cfg, model_args(cfg))  # the model.init preset's shape
     check_data(cfg, vocab)
 
 

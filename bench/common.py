@@ -49,17 +49,19 @@ def sync(device):
 
 
 def generate(model, prompts: list[list[int]], new: int, device, dtype, temperature: float = 1.0, k: int = 0,
-             graphs: bool = True, quantization: str | None = None):
+             graphs: bool = True, quantization: str | None = None, overlap: bool = False,
+             fused_sampling: bool = True):
     """(requests, seconds, engine): the built-in engine generates `new` tokens for every prompt in one
     batch (prefill included; ignore EOS), with `k` speculative draft tokens per step (0: plain).
     graphs: plain decode steps from CUDA graphs (on a GPU; captured before the clock starts), as a
-    server runs them by default."""
+    server runs them by default. overlap, fused_sampling: the engine's settings (engine.overlap_schedule,
+    engine.sampling_backend=triton), defaults as a server's."""
     from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 
     graph_bs = len(prompts) if graphs and torch.device(device).type == "cuda" else 0
     engine = Engine(model, max_running=len(prompts), context_length=len(prompts[0]) + new + 8, eos_token_ids=[0],
                     device=device, dtype=dtype, speculative_num_steps=k, cuda_graph_max_bs=graph_bs,
-                    quantization=quantization)
+                    quantization=quantization, overlap=overlap, fused_sampling=fused_sampling)
     engine.capture_graphs()
     reqs = [Request(p, SamplingParams(max_new_tokens=new, temperature=temperature, ignore_eos=True, sampling_seed=i))
             for i, p in enumerate(prompts)]

@@ -24,6 +24,7 @@ sys.path.insert(0, REPO)
 from bench.common import write  # noqa: E402
 from pipeline.observability.metrics import read_metrics  # noqa: E402
 from pipeline.observability.report import step_split  # noqa: E402
+from pipeline.run import RunDir  # noqa: E402
 
 
 def main() -> None:
@@ -46,9 +47,9 @@ def main() -> None:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if res.returncode:
             sys.stderr.write(res.stdout[-4000:] + res.stderr[-4000:])
-            for name in sorted(os.listdir(os.path.join(run_dir, "logs"))) if os.path.isdir(os.path.join(run_dir, "logs")) else []:
-                with open(os.path.join(run_dir, "logs", name)) as f:
-                    sys.stderr.write(f"--- {name}\n" + "".join(f.readlines()[-25:]))
+            for path in RunDir(run_dir).log_files():
+                with open(path) as f:
+                    sys.stderr.write(f"--- {os.path.basename(path)}\n" + "".join(f.readlines()[-25:]))
             sys.exit(res.returncode)
         records = read_metrics(run_dir)
 

@@ -24,7 +24,6 @@ from bench.common import copy_bandwidth, generate, qwen3_0p5b, sync, write  # no
 from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.hf_io import load_model, save_model  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from pipeline.rollout.engine import core, sampling  # noqa: E402
 
 
 def prompts_for(model, batch, prompt):
@@ -32,23 +31,19 @@ def prompts_for(model, batch, prompt):
     return [torch.randint(1, min(1000, model.args.vocab_size), (prompt,), generator=g).tolist() for _ in range(batch)]
 
 
-def engine_run(model, batch, prompt, new, device, dtype, graphs=True, quantization=None) -> float:
-    """Seconds to generate `new` tokens for `batch` requests (prefill included)."""
+def engine_run(model, batch, prompt, new, device, dtype, graphs=True, quantization=None, **settings) -> float:
+    """Seconds to generate `new` tokens for `batch` requests (prefill included); `settings`: the engine's
+    overlap / fused_sampling."""
     reqs, dt, _ = generate(model, prompts_for(model, batch, prompt), new, device, dtype, graphs=graphs,
-                           quantization=quantization)
+                           quantization=quantization, **settings)
     assert all(len(r.output_ids) == new for r in reqs)
     return dt
 
 
-def on_vs_off(module, flag: str, rate: float, rerun) -> float:
-    """Decode rate with `module.flag` on over the rate with it off: `rate` was measured with the flag as
-    it is; `rerun()` measures with it switched the other way."""
-    default = getattr(module, flag)
-    setattr(module, flag, not default)
-    try:
-        other = rerun()
-    finally:
-        setattr(module, flag, default)
+def on_vs_off(setting: str, default: bool, rate: float, rerun) -> float:
+    """Decode rate with the engine setting on over the rate with it off: `rate` was measured with the
+    setting at its default; `rerun(setting=value)` measures with it switched the other way."""
+    other = rerun(**{setting: not default})
     return rate / other if default else other / rate
 
 
@@ -107,9 +102,9 @@ def main(argv=None):
     p.add_argument("--new", type=int)
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--fused-sampling", action="store_true",
-                   help="also the engine with the fused Triton sampler switched the other way (LOCKSTEP_FUSED_SAMPLING), side by side")
+                   help="also the engine with the fused Triton sampler switched the other way (engine.sampling_backend), side by side")
     p.add_argument("--overlap", action="store_true",
-                   help="also the engine with overlapped decode switched the other way (LOCKSTEP_OVERLAP), side by side")
+                   help="also the engine with overlapped decode switched the other way (engine.overlap_schedule), side by side")
     p.add_argument("--fp8", action="store_true", help="also the engine with FP8 linear layers (engine.quantization=fp8)")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.tiny else "cpu")
@@ -140,9 +135,10 @@ def main(argv=None):
 
             low = decode_rate(lambda bb, pp, nn: engine_run(copy.deepcopy(model), bb, pp, nn, device, dtype,
                                                             quantization="fp8"), b, prompt, new)
-        rerun = lambda: decode_rate(lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype), b, prompt, new)  # noqa: E731
-        fused = on_vs_off(sampling, "_FUSED", ours, rerun) if a.fused_sampling else None  # fused sampler vs torch's
-        overlap = on_vs_off(core, "OVERLAP", ours, rerun) if a.overlap else None  # overlapped vs step by step
+        rerun = lambda **settings: decode_rate(  # noqa: E731
+            lambda bb, pp, nn: engine_run(model, bb, pp, nn, device, dtype, **settings), b, prompt, new)
+        fused = on_vs_off("fused_sampling", True, ours, rerun) if a.fused_sampling else None  # fused sampler vs torch's
+        overlap = on_vs_off("overlap", False, ours, rerun) if a.overlap else None  # overlapped vs step by step
         theirs = decode_rate(lambda bb, pp, nn: hf_run(hf, bb, pp, nn, device), b, prompt, new) if hf else None
         kv_bytes = b * (prompt + new / 2) * kv_per_token  # average context over the decode
         bound = b / ((weight_bytes + kv_bytes) / (bw / 2))  # a step reads weights + KV once

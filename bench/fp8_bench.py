@@ -78,9 +78,9 @@ def measure(name, args, device, copy_gbps) -> dict:
                     eos_token_ids=[0], device=device, dtype=torch.bfloat16)
     dtypes = {n: p.dtype for n, p in engine.model.named_parameters()}
     plain = {n: t for n, t in state.items() if n in dtypes}
-    t_bf16, _ = timed(lambda: engine.load_weights({n: t.clone() for n, t in plain.items()}, "1"), device)
+    t_bf16, _ = timed(lambda: engine.load_weights({n: t.clone() for n, t in plain.items()}, 1), device)
     staged = {n: t.clone() for n, t in stream if n.removesuffix("_scale_inv") in dtypes}
-    t_fp8, _ = timed(lambda: engine.load_weights(dequantize_fp8_pairs(staged, dtypes), "2"), device)
+    t_fp8, _ = timed(lambda: engine.load_weights(dequantize_fp8_pairs(staged, dtypes), 2), device)
     row.update(update_bf16_ms=t_bf16 * 1e3, update_fp8_ms=t_fp8 * 1e3)
     return row
 

@@ -34,6 +34,7 @@ sys.path.insert(0, REPO)
 from pipeline.observability.metrics import read_metrics  # noqa: E402
 from pipeline.observability.report import step_split  # noqa: E402
 from pipeline.observability.startup import read_startup, time_to_first_step  # noqa: E402
+from pipeline.run import RunDir  # noqa: E402
 
 SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small",
          "ds-moe-small": "deepseek-v3-small"}
@@ -179,11 +180,10 @@ def _measurements(records: list[dict], run_dir: str) -> dict:
 
 
 def _log_tails(run_dir: str, lines: int = 12) -> dict:
-    logs = os.path.join(run_dir, "logs")
     out = {}
-    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
-        with open(os.path.join(logs, name), errors="replace") as f:
-            out[name] = "".join(f.readlines()[-lines:])
+    for path in RunDir(run_dir).log_files():
+        with open(path, errors="replace") as f:
+            out[os.path.basename(path)] = "".join(f.readlines()[-lines:])
     return out
 
 

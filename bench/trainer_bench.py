@@ -56,21 +56,17 @@ def step_time(args, device, lengths: list[int], steps: int, varlen: bool, compil
     """(median step time, first step's mean token logprob) with the training attention through flash's varlen kernel
     (`varlen`) or the padded grid (SDPA with a mask, the path before it and the one CPUs take), and the
     decoder layers compiled or not."""
-    import lockstep_kernels.ops as ops
-
-    ops.VARLEN = varlen
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(args).to(device)
     mesh = init_device_mesh(device.type, (1,))
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = shard(model, mesh, compute, compile=compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" or None)  # as FSDPBackend
-    ctx = PackedCausal.from_lengths(lengths, device=device)
+    ctx = PackedCausal.from_lengths(lengths, device=device, varlen=varlen)
     ids, score, targets, adv = packed_batch(args, device, lengths)
     t = median_step_time(lambda: model(ids, ctx.positions, ctx, None, logits_at_M=score), targets, adv, model, opt,
                          device, steps)
     del model, opt
-    ops.VARLEN = True
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return t

@@ -33,12 +33,12 @@ from bench.common import copy_bandwidth, qwen3_0p5b, qwen3_1p7b, sync, write  # 
 from pipeline.models.config import model_preset  # noqa: E402
 from pipeline.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from pipeline.config.schema import WeightsConfig  # noqa: E402
-from pipeline.launch.rendezvous import wait_for  # noqa: E402
+from pipeline.run import wait_for  # noqa: E402
 from pipeline.models.hf_io import save_model  # noqa: E402
 from pipeline.models.tokenizer import build_tiny_tokenizer  # noqa: E402
 from pipeline.rollout.client import EngineClient  # noqa: E402
 from pipeline.rollout.engine.core import Engine  # noqa: E402
-from pipeline.weights.tensor import make_sender  # noqa: E402
+from pipeline.weights.base import make_transport  # noqa: E402
 from pipeline.trainer.fsdp import full_state, shard  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def measure(args, device, dtype, reps=5) -> dict:
             staged = export()  # what the engine's receiver stages, bucket by bucket
             sync(device)
             t1 = time.perf_counter()
-            engine.load_weights(staged, "1")  # applied at once, under the model lock: the engine's pause
+            engine.load_weights(staged, 1)  # applied at once, under the model lock: the engine's pause
             sync(device)
             t2 = time.perf_counter()
             best = {"update_s": min(best["update_s"], t2 - t0), "pause_s": min(best["pause_s"], t2 - t1),
@@ -106,7 +106,7 @@ def measure_process(args, device, dtype, reps=5) -> dict:
             client = EngineClient(wait_for(ready, 300, alive)["url"], timeout_s=120)
             for transport, backend in (("tensor", "auto"), ("broadcast", "gloo")):
                 cfg = WeightsConfig(type=transport, backend=backend, keep_host_copy=False, timeout_s=120)
-                sender = make_sender(cfg, [client], device, "127.0.0.1")
+                sender = make_transport(cfg, [client], device, "127.0.0.1")
                 sender.connect()
                 best = float("inf")
                 for rep in range(reps):
@@ -118,7 +118,7 @@ def measure_process(args, device, dtype, reps=5) -> dict:
                 norm = client.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": -1})
                 out[transport] = {"update_s": best, "bytes": stats["bytes"], "buckets": stats["buckets"],
                                   "engine_messages": stats.get("engine_messages"),
-                                  "engine_equals_trainer": norm == want and client.weight_version() == str(reps)}
+                                  "engine_equals_trainer": norm == want and client.weight_version() == reps}
         finally:
             proc.terminate()
             proc.wait(30)

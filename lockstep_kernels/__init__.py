@@ -8,48 +8,23 @@ the same property (fixed row tiles, fixed key blocks, transcendental functions c
 position-invariant on CPU). On ROCm the Triton path runs through Triton's AMD backend; aiter has no
 batch-invariant variants of these ops, so it is not used (lockstep_kernels/dispatch.py).
 
-    with batch_invariant_mode():
+The mode (lockstep_kernels/mode.py) is a process default plus a per-thread override:
+
+    set_batch_invariant(True)          # once, at start (true on-policy engines and trainers)
+    with batch_invariant_mode():       # this thread, this block
         logits = model(...)
+
+This package imports nothing from `pipeline` (tests/test_determinism.py checks it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
+from lockstep_kernels.dispatch import set_backend
+from lockstep_kernels.mode import batch_invariant_mode, is_batch_invariant, set_batch_invariant
+from lockstep_kernels.ops import (GREEDY_EPS, attention, decode_attention, linear, log_softmax,
+                                  packed_causal_attention, rms_norm, scaled_logits, sigmoid, silu, softmax,
+                                  token_logprobs, topk_indices)
 
-_state = threading.local()
-_global = {"enabled": False}
-
-
-def is_batch_invariant() -> bool:
-    return getattr(_state, "enabled", _global["enabled"])
-
-
-def set_batch_invariant(enabled: bool) -> None:
-    """Process-wide default (engines and trainers in true on-policy mode set it once at start)."""
-    _global["enabled"] = bool(enabled)
-
-
-def enable_batch_invariant_mode() -> None:
-    set_batch_invariant(True)
-
-
-@contextlib.contextmanager
-def batch_invariant_mode(enabled: bool = True):
-    """Use the batch-invariant ops inside this block (this thread); the previous state returns after."""
-    previous = getattr(_state, "enabled", None)
-    _state.enabled = enabled
-    try:
-        yield
-    finally:
-        if previous is None:
-            del _state.enabled
-        else:
-            _state.enabled = previous
-
-
-from lockstep_kernels.ops import (attention, decode_attention, linear, log_softmax, packed_causal_attention,  # noqa: E402
-                                  rms_norm, sigmoid, silu, softmax, token_logprobs, topk_indices)
-
-__all__ = ["batch_invariant_mode", "is_batch_invariant", "set_batch_invariant", "enable_batch_invariant_mode",
-           "linear", "attention", "packed_causal_attention", "decode_attention", "rms_norm", "log_softmax", "softmax", "sigmoid", "silu", "topk_indices", "token_logprobs"]
+__all__ = ["batch_invariant_mode", "is_batch_invariant", "set_batch_invariant", "set_backend",
+           "linear", "attention", "packed_causal_attention", "decode_attention", "rms_norm", "log_softmax", "softmax",
+           "sigmoid", "silu", "topk_indices", "token_logprobs", "scaled_logits", "GREEDY_EPS"]

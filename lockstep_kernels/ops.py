@@ -13,15 +13,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lockstep_kernels import torch_ref
 from lockstep_kernels.dispatch import use_triton
+from lockstep_kernels.mode import is_batch_invariant as _bi
 
 _FEW_QUERIES = 16
 _SDPA_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+GREEDY_EPS = 1e-5
+"""A temperature below this means greedy decoding: such rows are scored (and sampled) at temperature 1."""
 
 
-def _bi() -> bool:
-    from lockstep_kernels import is_batch_invariant
-
-    return is_batch_invariant()
+def scaled_logits(logits_MV: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """fp32 logits divided by the temperature (temperature ~0 means greedy: scored at 1)."""
+    logits = logits_MV.float()
+    if isinstance(temperature, torch.Tensor):
+        t = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature).float()
+        return logits / t[:, None]
+    return logits / (temperature if temperature >= GREEDY_EPS else 1.0)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,8 +83,6 @@ def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature)
         from lockstep_kernels.gpu.log_softmax import bi_token_logprob
 
         return bi_token_logprob(logits_MV, tokens_M, temperature)
-    from pipeline.models.logprobs import scaled_logits
-
     logp_MV = log_softmax(scaled_logits(logits_MV, temperature))
     return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
 
@@ -113,15 +117,13 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-VARLEN = True  # benchmarks switch it off to time the padded-grid path side by side
-
-
 def packed_causal_attention(q_NHD, k_NGD, v_NGD, cu_seqlens_B1: torch.Tensor, max_len: int) -> torch.Tensor | None:
     """Causal GQA attention over sequences packed back to back (sequence b is rows cu_seqlens[b]:
     cu_seqlens[b+1]), [N, H, D], by flash attention's varlen kernel: no padded grid, no mask, no
     scatter/gather. None where that kernel does not apply (CPU, fp32, batch-invariant mode, a torch
-    without torch.nn.attention.varlen): the caller then takes the padded-grid path."""
-    if (_bi() or not VARLEN or not q_NHD.is_cuda or q_NHD.dtype not in (torch.float16, torch.bfloat16)
+    without torch.nn.attention.varlen): the caller then takes the padded-grid path (which it may also
+    choose itself: pipeline.models.attention.PackedCausal(varlen=False), for benchmarks)."""
+    if (_bi() or not q_NHD.is_cuda or q_NHD.dtype not in (torch.float16, torch.bfloat16)
             or _varlen() is None):
         return None
     fn, params = _varlen()

@@ -25,20 +25,20 @@ def cmd_run(args) -> int:
     from pipeline.launch.local import run_local
     from pipeline.launch.prepare import prepare_run
     from pipeline.observability.report import plot_rewards, summary
-    from pipeline.observability.startup import LAUNCH, StartupClock, startup_file
+    from pipeline.observability.startup import LAUNCH, StartupClock
 
     clock = StartupClock(started=time.time())
     with clock.phase("prepare"):
         cfg = load_config(args.config, args.overrides)
-        cfg, layout = prepare_run(cfg)
-    clock.publish(startup_file(layout.root, LAUNCH))
-    print(f"lockstep: run_dir {layout.root} ({cfg.num_rollout} steps, "
+        cfg, rundir = prepare_run(cfg)
+    clock.publish(rundir.startup_file(LAUNCH))
+    print(f"lockstep: run_dir {rundir.root} ({cfg.num_rollout} steps, "
           f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
           f"{cfg.engine.num_engines} engine(s), {cfg.train.num_gpus} trainer rank(s))", file=sys.stderr)
-    run_local(cfg, layout, progress=not args.no_progress)
+    run_local(cfg, rundir, progress=not args.no_progress)
     if cfg.logging.plot:
-        plot_rewards(layout.root)
-    print(summary(layout.root))
+        plot_rewards(rundir.root)
+    print(summary(rundir.root))
     return 0
 
 
@@ -57,15 +57,15 @@ def cmd_submit(args) -> int:
         cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, cluster=args.cluster))
     profile = load_profile(cfg.slurm.cluster)
     check_request(cfg, profile)  # refuse impossible requests before touching the run directory
-    cfg, layout = prepare_run(cfg, profile)
+    cfg, rundir = prepare_run(cfg, profile)
     if args.dry_run:
-        for path in dry_run(cfg, profile, layout.root):
+        for path in dry_run(cfg, profile, rundir.root):
             print(f"# {path}")
             print(open(path).read())
         return 0
-    jobs = submit(cfg, layout.root, profile)
+    jobs = submit(cfg, rundir.root, profile)
     print(f"lockstep: submitted {', '.join(j.job_id for j in jobs)} ({cfg.slurm.mode}, cluster {profile.name});"
-          f" run_dir {layout.root}", file=sys.stderr)
+          f" run_dir {rundir.root}", file=sys.stderr)
     if not args.wait:
         return 0
     from pipeline.observability.metrics import read_metrics
@@ -73,7 +73,7 @@ def cmd_submit(args) -> int:
 
     bar = ProgressBar(cfg.num_rollout, enabled=cfg.logging.progress)
     while not all(j.done() for j in jobs):
-        bar.update(read_metrics(layout.root), status=f"job {jobs[0].job_id} {jobs[0].state}")
+        bar.update(read_metrics(rundir.root), status=f"job {jobs[0].job_id} {jobs[0].state}")
         time.sleep(2)
     bar.close()
     for j in jobs:
@@ -82,8 +82,8 @@ def cmd_submit(args) -> int:
         except Exception as e:  # submitit re-raises the job's failure here
             raise ComponentFailed(f"slurm job {j.job_id}", None, str(e)[-3000:]) from None
         print(f"job {j.job_id}: {result}", file=sys.stderr)
-    plot_rewards(layout.root)
-    print(summary(layout.root))
+    plot_rewards(rundir.root)
+    print(summary(rundir.root))
     return 0
 
 

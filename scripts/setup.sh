@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11) and install Lockstep into it. Idempotent: a second run installs nothing new.
 #   scripts/setup.sh          runtime only (what `lockstep run` needs)
-#   scripts/setup.sh test     plus the test dependencies (pytest, transformers, sglang's parser, ...)
+#   scripts/setup.sh test     plus the test dependencies (pytest, transformers, tensorboard, wandb, sglang's parser, ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}

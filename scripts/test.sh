@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: set up (with test dependencies), start a local Slurm cluster (slurm/local/cluster.sh:
 # needs root for apt and the daemons; without it the Slurm tests are skipped), run pytest, stop Slurm.
-# Extra arguments go to pytest. Exits non-zero when any test fails or none is collected (pytest exit 5).
+# Extra arguments go to pytest (`scripts/test.sh -m "not slow"`: the fast tier). Exits non-zero when
+# any test fails or none is collected (pytest exit 5).
 # LOCKSTEP_NO_SLURM=1 skips the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."

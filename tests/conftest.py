@@ -58,7 +58,7 @@ class EngineProcess:
              "--context-length", "128", "--ready-file", ready_file, *(extra or [])],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
             env=dict(os.environ, **(env or {})))
-        from pipeline.launch.rendezvous import wait_for
+        from pipeline.run import wait_for
 
         def alive():
             if self.proc.poll() is not None:

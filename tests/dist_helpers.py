@@ -39,7 +39,7 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
         cfg = load_config(None, [f"model.path={model_dir}", f"run_dir={run_dir}", "train.device=cpu",
                                  f"train.num_gpus={world}", *overrides])
         trainer = Trainer(cfg, run_dir)
-        metrics = trainer.train_on(random_batch(trainer.backend.args.vocab_size))
+        metrics = trainer.train_step(random_batch(trainer.backend.args.vocab_size))
         b = trainer.backend
         state = {n: t.clone() for n, t in b.full_state()}  # parameter by parameter (on one rank: the parameters)
         # the weight sync's export: flat buckets in the forward's dtype (small ones here: several buckets)
@@ -149,3 +149,32 @@ def megatron_batch(args):
         trace = trace.view(n, len(args.moe_layers), k).to(torch.int16)
     return ids, ctx.cu_seqlens, score, trace
 
+
+
+def backend_setup(rank: int, world: int, init_file: str, model_dir: str, out: str, overrides: list[str]) -> None:
+    """In a gloo process: build the FSDP2 and the megatron backend on `model_dir` and save, for each,
+    whether it is a TrainerBackend and what its optimizers and schedule are."""
+    from pipeline.config import load_config
+    from pipeline.trainer.base import TrainerBackend
+    from pipeline.trainer.fsdp import FSDPBackend
+    from pipeline.trainer.megatron.backend import MegatronBackend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        got = {}
+        for name, cls in (("fsdp", FSDPBackend), ("megatron", MegatronBackend)):
+            cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
+                                     "train.global_batch_size=8", f"train.backend={name}", *overrides])
+            b = cls(cfg, model_dir, torch.device("cpu"))
+            settings = lambda o: (type(o).__name__, {k: v for k, v in o.defaults.items()})  # noqa: E731
+            got[name] = {"interface": isinstance(b, TrainerBackend), "optimizer": settings(b.optimizer),
+                         "critic_optimizer": settings(b.critic_optimizer), "reference": b.ref_model is not None,
+                         "scheduler": type(b.scheduler).__name__,
+                         "lr_factors": [b.scheduler.lr_lambdas[0](s) for s in range(12)]}
+        if rank == 0:
+            torch.save(got, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

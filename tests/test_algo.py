@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from pipeline.algo.advantages import grpo_advantages, group_stats
-from pipeline.algo.losses import grpo_loss, kl_estimate, off_policy_weights, policy_loss, reduction_scale, value_loss
+from pipeline.algo.losses import (PolicyLossConfig, PolicyTokens, grpo_loss, kl_estimate, off_policy_weights,
+                                  policy_loss, reduction_scale, value_loss)
 
 
 def test_grpo_advantages_by_hand():
@@ -39,7 +40,7 @@ def test_ppo_clip_by_hand():
     old = torch.zeros(4)
     adv = torch.tensor([1.0, 1.0, -2.0, 3.0])
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    loss, m = policy_loss(logp, old, adv, mask, mask / 3.0, eps_clip=0.2, eps_clip_high=0.28)
+    loss, m = policy_loss(PolicyLossConfig(eps_clip=0.2, eps_clip_high=0.28), PolicyTokens(logp, old, adv, mask, mask / 3.0))
     # token 0: ratio 1.5, A=1 -> max(-1.5, -1.28) = -1.28 (clipped)
     # token 1: ratio 0.5, A=1 -> max(-0.5, -0.8) = -0.5 (not clipped: the pessimistic term wins)
     # token 2: ratio 1.1, A=-2 -> max(2.2, 2.2) = 2.2
@@ -50,11 +51,13 @@ def test_ppo_clip_by_hand():
 
 def test_ppo_gradient_zero_when_clipped():
     logp = torch.tensor([math.log(1.5)], requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros(1), torch.ones(1), torch.ones(1), torch.ones(1), eps_clip=0.2)
+    loss, _ = policy_loss(PolicyLossConfig(eps_clip=0.2),
+                          PolicyTokens(logp, torch.zeros(1), torch.ones(1), torch.ones(1), torch.ones(1)))
     loss.backward()
     assert float(logp.grad) == 0.0
     logp2 = torch.tensor([0.0], requires_grad=True)  # ratio 1: gradient -A * ratio
-    loss2, _ = policy_loss(logp2, torch.zeros(1), torch.tensor([2.0]), torch.ones(1), torch.ones(1), eps_clip=0.2)
+    loss2, _ = policy_loss(PolicyLossConfig(eps_clip=0.2),
+                           PolicyTokens(logp2, torch.zeros(1), torch.tensor([2.0]), torch.ones(1), torch.ones(1)))
     loss2.backward()
     assert float(logp2.grad) == -2.0
 
@@ -71,17 +74,27 @@ def test_grpo_loss_adds_kl_and_entropy():
     logp = torch.tensor([-1.0, -2.0])
     ref = torch.tensor([-1.5, -2.0])
     ent = torch.tensor([0.3, 0.7])
-    base, _ = grpo_loss(logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2), eps_clip=0.2, eps_clip_high=None,
-                        normalizer=2.0)
-    full, m = grpo_loss(logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2), eps_clip=0.2, eps_clip_high=None,
-                        normalizer=2.0, ref_logp_M=ref, kl_coef=0.1, entropy_M=ent, entropy_coef=0.01)
+    tokens = PolicyTokens(logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2), torch.ones(2) / 2.0,
+                          ref_logp_M=ref, entropy_M=ent)
+    base, _ = grpo_loss(PolicyLossConfig(eps_clip=0.2), tokens)
+    full, m = grpo_loss(PolicyLossConfig(eps_clip=0.2, kl_coef=0.1, entropy_coef=0.01), tokens)
     kl = float(kl_estimate(logp, ref, "low_var_kl").sum())
     assert abs(float(full) - (float(base) + 0.1 * kl / 2 - 0.01 * 1.0 / 2)) < 1e-6
     assert abs(float(m["kl_loss_sum"]) - kl) < 1e-6
 
 
+def test_policy_loss_config_from_algo():
+    from pipeline.config.schema import AlgoConfig
+
+    cfg = PolicyLossConfig.from_algo(AlgoConfig(advantage_estimator="gspo", eps_clip=3e-4, eps_clip_high=4e-4,
+                                                kl_loss_coef=0.1, kl_loss_type="k2", entropy_coef=0.01))
+    assert cfg == PolicyLossConfig(eps_clip=3e-4, eps_clip_high=4e-4, ratio_type="sequence", kl_coef=0.1, kl_type="k2",
+                                   entropy_coef=0.01)
+    assert PolicyLossConfig.from_algo(AlgoConfig()).ratio_type == "token"
+
+
 def test_lr_schedule():
-    from pipeline.trainer.fsdp import lr_factor
+    from pipeline.trainer.optim import lr_factor
 
     assert lr_factor(0, 4, 100, "constant", 0.0) == 0.25 and lr_factor(3, 4, 100, "constant", 0.0) == 1.0
     assert lr_factor(0, 0, 11, "cosine", 0.1) == 1.0 and abs(lr_factor(10, 0, 11, "cosine", 0.1) - 0.1) < 1e-12
@@ -92,7 +105,8 @@ def test_dual_clip_caps_negative_advantage_loss():
     # ratio 5, A = -1: unclipped -A*r = 5, clipped -A*1.2 = 1.2 -> max 5 -> dual clip caps at -A*3 = 3
     logp = torch.tensor([math.log(5.0), math.log(5.0)])
     adv = torch.tensor([-1.0, 1.0])
-    loss, m = policy_loss(logp, torch.zeros(2), adv, torch.ones(2), torch.ones(2), eps_clip=0.2, eps_clip_c=3.0)
+    loss, m = policy_loss(PolicyLossConfig(eps_clip=0.2, eps_clip_c=3.0),
+                          PolicyTokens(logp, torch.zeros(2), adv, torch.ones(2), torch.ones(2)))
     # token 1 (A=+1): max(-5, -1.2) = -1.2, untouched by the dual clip
     assert abs(float(loss) - (3.0 - 1.2)) < 1e-6 and float(m["dual_clipfrac_sum"]) == 1.0
 
@@ -101,8 +115,9 @@ def test_gspo_sequence_ratio_by_hand():
     # sample 0: token log-ratios 0.1, 0.3 -> sequence ratio exp(0.2) for both tokens; sample 1: exp(-0.1)
     log_ratio = torch.tensor([0.1, 0.3, -0.1], requires_grad=True)
     adv = torch.tensor([1.0, 1.0, -1.0])
-    loss, m = policy_loss(log_ratio, torch.zeros(3), adv, torch.ones(3), torch.ones(3), eps_clip=0.5,
-                          ratio_type="sequence", sample_of_M=torch.tensor([0, 0, 1]), num_samples=2)
+    loss, m = policy_loss(PolicyLossConfig(eps_clip=0.5, ratio_type="sequence"),
+                          PolicyTokens(log_ratio, torch.zeros(3), adv, torch.ones(3), torch.ones(3),
+                                       sample_of_M=torch.tensor([0, 0, 1]), num_samples=2))
     expected = -2 * math.exp(0.2) + math.exp(-0.1)
     assert abs(float(loss.detach()) - expected) < 1e-6
     loss.backward()

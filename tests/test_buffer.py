@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.buffer.reader import BufferReader, CorruptShardError, read_shard
-from pipeline.buffer.schema import RolloutBatch, Sample, expert_dtype
+from pipeline.buffer.schema import RolloutBatch, Sample, SampleStatus, expert_dtype
 from pipeline.buffer.writer import ShardWriter, clean_uncommitted, step_dir
 
 from conftest import REPO
@@ -31,7 +31,7 @@ def make_samples(n=6, moe=None, seed=0):
         out.append(Sample(group_id=i // 2, sample_idx=i % 2, prompt_idx=10 + i,
                           prompt_ids=rng.integers(0, 50, p).tolist(), response_ids=rng.integers(0, 50, r).tolist(),
                           logprobs=(-rng.random(r)).tolist(), reward=float(i % 2), reward_components={"fmt": 0.5},
-                          weight_version=3, status=["completed", "truncated"][i % 2], metadata={"i": i},
+                          weight_version=3, status=[SampleStatus.COMPLETED, SampleStatus.TRUNCATED][i % 2], metadata={"i": i},
                           routed_experts=routed))
     return out
 
@@ -51,6 +51,24 @@ def test_roundtrip_all_columns(tmp_path):
     assert got.status.tolist() == [0, 1] * 3 and got.weight_version.tolist() == [3] * 6
     assert got.reward_components["fmt"].tolist() == [0.5] * 6
     assert [int(m[-2]) for m in got.metadata] == list(range(6))
+
+
+def test_every_status_round_trips_through_hdf5_as_its_number(tmp_path):
+    """The shard stores SampleStatus values as the uint8 numbers of schema version 1 (0 completed ...
+    4 deferred), and reads them back as the same numbers."""
+    samples = make_samples(n=len(SampleStatus))
+    for s, status in zip(samples, SampleStatus):
+        s.status = status
+    w = ShardWriter(str(tmp_path))
+    w.write(0, RolloutBatch.from_samples(samples))
+    w.commit(0)
+    (path,) = [os.path.join(root, f) for root, _, files in os.walk(tmp_path) for f in files if f.endswith(".h5")]
+    with h5py.File(path, "r") as f:
+        assert f["status"].dtype == np.uint8 and f["status"][:].tolist() == [0, 1, 2, 3, 4]
+    got = BufferReader(str(tmp_path)).read_step(0).status
+    assert [SampleStatus(int(x)) for x in got] == list(SampleStatus)
+    assert [s.label for s in SampleStatus] == ["completed", "truncated", "aborted", "failed", "deferred"]
+    assert SampleStatus.from_label("deferred") is SampleStatus.DEFERRED
 
 
 def test_expert_dtype_is_smallest():
@@ -231,7 +249,7 @@ def test_select_fresh_by_weight_version_and_aborted_kept():
     samples = make_samples(n=6)
     for i, s in enumerate(samples):
         s.weight_version = [5, 4, 3, 5, 2, 4][i]
-    samples[1].status = "aborted"
+    samples[1].status = SampleStatus.ABORTED
     b = RolloutBatch.from_samples(samples)
     fresh, dropped = select_fresh(b, current_version=5, max_staleness=1)
     assert fresh.weight_version.tolist() == [5, 4, 5, 4] and dropped == 2
@@ -273,6 +291,7 @@ def test_buffer_benchmark_runs(tmp_path):
     assert all(r["routing_bytes_per_slot"] <= 2 for r in rows if r["routing"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["engine_bench.py", "trainer_bench.py", "weight_sync_bench.py"])
 def test_gpu_benchmarks_have_cpu_variants_that_run(tmp_path, script):
     """The GPU benchmarks' CPU-sized variants run here, so a change that breaks or slows them shows."""

@@ -96,6 +96,7 @@ def run_cli(*args, cwd=REPO):
     (["run", "configs/missing.yaml"], "not found"),
     (["run", "configs/tiny.yaml", "data.prompt_data=/nonexistent.jsonl"], "data.prompt_data '/nonexistent.jsonl' not found"),
     (["run", "configs/tiny.yaml", "model.path=/nonexistent_model"], "model.path '/nonexistent_model' is not a directory"),
+    (["run", "configs/tiny.yaml", "train.int4_qat=true"], "int4_qat quantizes MoE expert weights"),  # validate.py
 ])
 def test_cli_bad_input_is_one_line_without_traceback(args, fragment, tmp_path):
     res = run_cli(*args, f"run_dir={tmp_path}/run")
@@ -110,7 +111,7 @@ def test_cli_dataset_without_prompt_field(tmp_path):
     bad.write_text('{"question": "1+1=", "label": "2"}\n')
     res = run_cli("run", "configs/tiny.yaml", f"data.prompt_data={bad}", f"run_dir={tmp_path}/run")
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "no 'prompt' field (set data.input_key" in res.stderr
+    assert "no 'prompt' field (1: line 1)) (set data.input_key to the field that holds the prompt)" in res.stderr
 
 
 def test_cli_bad_yaml(tmp_path):
@@ -124,3 +125,60 @@ def test_config_options_lists_everything():
     res = run_cli("config", "options")
     assert res.returncode == 0
     assert "rollout.rollout_batch_size" in res.stdout and "Miles: --rollout-batch-size" in res.stdout
+
+
+# ---- checks against the model's shape (pipeline/config/validate.py) -------------------------------
+def _args(preset: str, **changes):
+    from pipeline.config.memory import model_args
+
+    return dataclasses.replace(model_args(load_config(None, [f"model.init={preset}"])), **changes)
+
+
+THREE_RANKS = ["train.num_gpus=3", "train.global_batch_size=3", "rollout.rollout_batch_size=3",
+               "rollout.n_samples_per_prompt=1", "algo.advantage_estimator=reinforce_plus_plus"]
+
+
+@pytest.mark.parametrize("preset, changes, overrides, message", [
+    ("tiny-dense", {}, ["train.int4_qat=true"], "int4_qat quantizes MoE expert weights"),
+    ("tiny-moe", {}, ["train.int4_qat=true", "train.int4_group_size=48"], "int4_group_size (48) does not divide"),
+    ("tiny-moe", {}, ["train.compile=true"], "train.compile is for dense models"),
+    ("tiny-dense", {"mlp_bias": True}, ["train.backend=megatron"], "does not support mlp_bias=true"),
+    ("tiny-dense", {}, ["train.backend=megatron", *THREE_RANKS,
+                        "train.tensor_model_parallel_size=3"], "num_key_value_heads (2) must be divisible by tensor"),
+    ("tiny-dense", {}, ["train.backend=megatron", "train.num_gpus=2", "train.expert_model_parallel_size=2"],
+     "expert parallelism needs a MoE model"),
+    ("tiny-dense", {}, ["train.backend=megatron", "train.num_gpus=4", "train.pipeline_model_parallel_size=4"],
+     "num_hidden_layers (2) must be divisible by pipeline parallel size 4"),
+    ("tiny-moe", {}, ["train.backend=megatron", *THREE_RANKS,
+                      "train.expert_model_parallel_size=3"], "num_experts (8) must be divisible by expert parallel"),
+    ("tiny-moe", {}, ["train.backend=megatron", "determinism.true_on_policy=true"], "dense models only"),
+    ("tiny-moe", {}, ["train.backend=megatron", "train.num_gpus=2", "train.tensor_model_parallel_size=2"],
+     "set train.sequence_parallel=true"),
+    ("tiny-moe", {"decoder_sparse_step": 2}, ["train.backend=megatron"], "whose every layer is MoE"),
+])
+def test_validate_refuses_what_the_model_cannot_do(preset, changes, overrides, message):
+    from pipeline.config.validate import validate
+
+    cfg = load_config(None, [f"model.init={preset}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, _args(preset, **changes))
+    assert message in str(e.value)
+
+
+def test_validate_accepts_what_runs():
+    from pipeline.config.validate import validate
+
+    for preset, overrides in (("tiny-dense", []), ("tiny-moe", ["train.int4_qat=true"]),
+                              ("tiny-moe", ["train.backend=megatron", "train.num_gpus=2", "train.tensor_model_parallel_size=2",
+                                            "train.sequence_parallel=true"]),
+                              ("tiny-moe", ["train.backend=megatron", "train.num_gpus=2",
+                                            "train.expert_model_parallel_size=2", "train.int4_qat=true"])):
+        validate(load_config(None, [f"model.init={preset}", *overrides]), _args(preset))
+
+
+def test_config_package_imports_no_trainer_and_no_torch():
+    code = ("import sys, pipeline.config, pipeline.config.validate, pipeline.config.memory;"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('pipeline.trainer')]; print(bad)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr

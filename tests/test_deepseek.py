@@ -239,7 +239,7 @@ def test_replay_takes_the_trace_experts_with_their_sigmoid_weights(ds_dir):
     weighted by their sigmoid scores normalised and scaled as the model does (not by the correction
     bias, which only selects), and the mismatch counts the differing tokens."""
     from pipeline.models.deepseek import NORM_EPS
-    from pipeline.models.qwen3 import MoeRouting, combine_experts
+    from pipeline.models.qwen3 import MoeRouting, run_experts
 
     _, model = load_model(ds_dir)
     moe = model.model.layers[1].mlp
@@ -255,7 +255,7 @@ def test_replay_takes_the_trace_experts_with_their_sigmoid_weights(ds_dir):
         out = moe(x, replay, 0)
         scores = torch.sigmoid(x @ moe.gate.weight.T).gather(-1, trace)
         w = scores / (scores.sum(-1, keepdim=True) + NORM_EPS) * 2.5
-        want = combine_experts(moe.experts, x, trace, w) + moe.shared_experts(x)
+        want = run_experts(moe.experts, x, trace, w) + moe.shared_experts(x)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     differs = (live.recorded[0].sort(-1).values != trace.sort(-1).values).any(-1).sum()
     assert replay.mismatch_counts(1) == (float(differs), 40.0) and differs > 5

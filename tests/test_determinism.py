@@ -15,6 +15,7 @@ import lockstep_kernels as kernels
 from lockstep_kernels import torch_ref
 from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 from conftest import REPO, wait_until
 from test_e2e import lockstep
@@ -103,6 +104,82 @@ def test_mode_switch_restores_state():
     assert not kernels.is_batch_invariant()
 
 
+def test_mode_switch_thread_override_and_process_default():
+    """set_batch_invariant is every thread's default; batch_invariant_mode() overrides it for its own
+    thread only, and the default set inside a block shows once the block ends."""
+    import threading
+
+    seen = {}
+
+    def other(key):
+        seen[key] = kernels.is_batch_invariant()
+
+    try:
+        with kernels.batch_invariant_mode():
+            t = threading.Thread(target=other, args=("during_block",))
+            t.start()
+            t.join()
+            kernels.set_batch_invariant(True)
+            with kernels.batch_invariant_mode(False):
+                assert not kernels.is_batch_invariant()  # the override beats the default
+        assert seen["during_block"] is False  # another thread sees the default, not this thread's block
+        assert kernels.is_batch_invariant()  # the default set inside the block
+        t = threading.Thread(target=other, args=("default_on",))
+        t.start()
+        t.join()
+        assert seen["default_on"] is True
+    finally:
+        kernels.set_batch_invariant(False)
+    assert not kernels.is_batch_invariant()
+    assert not hasattr(kernels, "enable_batch_invariant_mode")  # one switch: no third name
+
+
+def test_kernel_library_imports_nothing_from_pipeline():
+    code = ("import sys, lockstep_kernels, lockstep_kernels.fp8, lockstep_kernels.int4, lockstep_kernels.torch_ref; "
+            "print(sorted(m for m in sys.modules if m == 'pipeline' or m.startswith('pipeline.')))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+def test_kernel_library_has_no_import_cycle():
+    """Every import between lockstep_kernels modules, at module level or inside a function, forms no
+    cycle (lockstep_kernels/fp8.py and gpu/fp8.py once imported each other), and none names pipeline."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(REPO)
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (root / "lockstep_kernels").rglob("*.py")}
+    edges = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names]
+            else:
+                continue
+            assert not any(f == "pipeline" or f.startswith("pipeline.") for f in found), (name, found)
+            targets |= {f for f in found if f in modules and f != name}
+        edges[name] = targets
+
+    def cycle_from(start, node, path):
+        for nxt in edges[node]:
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, nxt, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    for name in modules:
+        cyc = cycle_from(name, name, [name])
+        assert cyc is None, " -> ".join(cyc)
+
+
 # ---- whole pipeline --------------------------------------------------------------------------------
 
 STEPS = ["num_rollout=3", "rollout_batch_size=8", "global_batch_size=64", "checkpoint.export_hf=false",
@@ -116,6 +193,7 @@ def run_metrics(tmp_path, name, *overrides, faults: str = ""):
     return read_metrics(f"{tmp_path}/{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["tiny-dense", "tiny-moe"])
 def test_true_on_policy_is_bitwise(tmp_path, init):
     on = run_metrics(tmp_path, "on", f"model.init={init}", "determinism.true_on_policy=true",
@@ -126,6 +204,7 @@ def test_true_on_policy_is_bitwise(tmp_path, init):
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in off) > 0.0
 
 
+@pytest.mark.slow
 def test_bf16_moe_routing_mismatch_and_r3(tmp_path):
     # The engine's router sees slightly different logits than the trainer's, as a GPU engine's does at
     # any batch size (its kernels reduce in other orders). On a CPU the bf16 kernels of decode and
@@ -170,6 +249,7 @@ def test_r3_replays_in_activation_recompute(moe_dir):
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
 
 
+@pytest.mark.slow
 def test_two_runs_same_weights_and_kill_resume(tmp_path):
     """Same command, same weights; a run SIGKILLed after a checkpoint and rerun ends bit-identical too.
     PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well."""
@@ -178,17 +258,17 @@ def test_two_runs_same_weights_and_kill_resume(tmp_path):
     for name in ("a", "b"):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
         assert res.returncode == 0, res.stderr[-3000:]
-    a, b = read_state_dict(f"{tmp_path}/a/hf"), read_state_dict(f"{tmp_path}/b/hf")
+    a, b = read_state_dict(RunDir(tmp_path / "a").hf_export), read_state_dict(RunDir(tmp_path / "b").hf_export)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command.
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={tmp_path}/c",
                           *common], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert wait_until(lambda: os.path.exists(f"{tmp_path}/c/checkpoints/step_000004/trainer_state.json"), 180)
+    assert wait_until(lambda: os.path.exists(os.path.join(RunDir(tmp_path / "c").checkpoints, "step_000004", "trainer_state.json")), 180)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    assert not os.path.exists(f"{tmp_path}/c/hf")
+    assert not os.path.exists(RunDir(tmp_path / "c").hf_export)
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/c", *common)
     assert res.returncode == 0, res.stderr[-3000:]
-    c = read_state_dict(f"{tmp_path}/c/hf")
+    c = read_state_dict(RunDir(tmp_path / "c").hf_export)
     assert all(torch.equal(a[k], c[k]) for k in a)
     assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(8))

@@ -9,7 +9,8 @@ import torch.multiprocessing as mp
 from pipeline.config.schema import WeightsConfig
 from pipeline.models.hf_io import load_model
 from pipeline.rollout.client import EngineClient
-from pipeline.weights.tensor import TensorSender, make_sender
+from pipeline.weights.base import make_transport
+from pipeline.weights.tensor import TensorTransport
 
 import dist_helpers
 
@@ -22,6 +23,7 @@ def run_world(world, tmp_path, model_dir, overrides, tag):
     return torch.load(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, algo", [("dense_dir", []), ("moe_dir", []),
                                          ("dense_dir", ["advantage_estimator=ppo", "algo.kl_coef=0.05",
                                                         "algo.off_policy_correction=tis", "loss_reduction=sample_mean"])])
@@ -55,30 +57,48 @@ def test_fsdp_two_ranks_equal_one(which, algo, request, tmp_path):
         assert all(torch.equal(t, 2 * run["state"][name]) for name, t in run["doubled"].items())
 
 
+def test_weight_transports_come_from_one_factory():
+    """Each weights.type builds its transport, which answers the WeightTransport interface; the tensor
+    transport declares that it always pauses; an unknown type is refused by name."""
+    from pipeline.weights.base import WeightTransport
+    from pipeline.weights.broadcast import BroadcastTransport
+
+    cpu = torch.device("cpu")
+    for kind, cls, pauses in (("broadcast", BroadcastTransport, False), ("tensor", TensorTransport, True)):
+        t = make_transport(WeightsConfig(type=kind), [EngineClient("http://127.0.0.1:9")], cpu, "127.0.0.1")
+        assert type(t) is cls and isinstance(t, WeightTransport) and t.always_pauses is pauses
+        assert cls.__mro__ == (cls, object)  # no transport is built from another one
+        t.close()
+    with pytest.raises(ValueError, match="weights.type='files': use broadcast or tensor"):
+        make_transport(WeightsConfig(type="files"), [], cpu, "127.0.0.1")
+
+
 @pytest.mark.parametrize("transport", ["broadcast", "tensor"])
 def test_weight_update_is_bit_exact(transport, dense_dir, engine_factory):
     """A gloo broadcast, or shared-memory handles of the trainer's tensors (weights.type=tensor)."""
     eng = engine_factory(dense_dir)
     client = EngineClient(eng.url)
-    before = client.generate([[5, 6, 7]], [{"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}])[0]
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, "sampling_seed": 0}
+    before = client.generate([[5, 6, 7]], [greedy])[0]
     _, model = load_model(dense_dir)
     gen = torch.Generator().manual_seed(0)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
     # Small buckets: several update requests, the version switches only with the last one.
-    sender = make_sender(WeightsConfig(type=transport, bucket_size_mb=0.02, timeout_s=60), [client],
-                         torch.device("cpu"), "127.0.0.1")
-    assert isinstance(sender, TensorSender) == (transport == "tensor")
+    sender = make_transport(WeightsConfig(type=transport, bucket_size_mb=0.02, timeout_s=60), [client],
+                            torch.device("cpu"), "127.0.0.1")
+    assert isinstance(sender, TensorTransport) == (transport == "tensor")
     sender.connect()
-    stats = sender.send(list(new.items()), version=5)
+    stats = sender.send(list(new.items()), version=5)  # pause=False: only the tensor transport pauses anyway
     assert stats["bytes"] == sum(v.numel() * 4 for v in new.values()) and stats["buckets"] > 3
-    assert client.weight_version() == "5"
+    assert stats["paused"] == (transport == "tensor") and (stats["pause_s"] > 0) == (transport == "tensor")
+    assert client.weight_version() == 5
     for name, t in new.items():
         got = client.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": -1})
         assert torch.equal(torch.tensor(got, dtype=torch.float32), t.flatten()), name
-    after = client.generate([[5, 6, 7]], [{"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}])[0]
-    assert after.weight_version == "5" and before.weight_version == "0"
+    after = client.generate([[5, 6, 7]], [greedy])[0]
+    assert after.weight_version == 5 and before.weight_version == 0
     # A second update over the same group works too (the group is reused across steps).
     sender.send(list(model.state_dict().items()), version=6)
-    again = client.generate([[5, 6, 7]], [{"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}])[0]
+    again = client.generate([[5, 6, 7]], [greedy])[0]
     assert again.output_ids == before.output_ids and again.logprobs == before.logprobs
     sender.close()

@@ -15,6 +15,7 @@ import torch
 from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
 from pipeline.observability.report import step_split
+from pipeline.run import RunDir
 
 from conftest import REPO, wait_until
 
@@ -71,13 +72,13 @@ def test_tiny_recipe_learns(tmp_path):
     assert split["rollout_frac"] + split["train_frac"] + split["weight_sync_frac"] == pytest.approx(1.0, abs=0.02)
     assert split["tokens_per_s"] * split["step_s"] == pytest.approx(mean([r["rollout/tokens"] for r in records[1:]]))
     assert split["rollout_tokens_per_s"] > split["tokens_per_s"] > 0
-    assert os.path.getsize(run_dir / "reward.png") > 10_000
+    assert os.path.getsize(RunDir(run_dir).reward_plot) > 10_000
     # The exported policy is a Hugging Face directory transformers can load.
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(run_dir / "hf"), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(RunDir(run_dir).hf_export, dtype=torch.float32)
     assert hf.config.model_type == "qwen3"
-    final = read_state_dict(str(run_dir / "hf"))
-    init = read_state_dict(str(run_dir / "model_init"))
+    final = read_state_dict(RunDir(run_dir).hf_export)
+    init = read_state_dict(RunDir(run_dir).model_init)
     assert any(not torch.equal(final[k], init[k]) for k in final)
     verify = lockstep("buffer", "verify", str(run_dir))
     assert verify.returncode == 0 and "OK: 100 committed steps" in verify.stdout
@@ -87,25 +88,27 @@ FAST = ["num_rollout=6", "rollout_batch_size=8", "global_batch_size=64", "checkp
         "logging.plot=false"]
 
 
+@pytest.mark.slow
 def test_two_trainer_ranks_and_two_engines(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *FAST, "train.num_gpus=2",
                    "engine.num_engines=2", "buffer.keep_consumed=false", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     from pipeline.buffer.reader import BufferReader
 
-    assert BufferReader(f"{tmp_path}/run/buffer").committed_steps() == [5]  # consumed steps collected, newest kept
+    assert BufferReader(RunDir(tmp_path / "run").buffer).committed_steps() == [5]  # consumed steps collected, newest kept
     records = read_metrics(f"{tmp_path}/run")
     assert len(records) == 6 and records[-1]["weights/version"] == 6
     assert records[0]["train/rollout_logprob_max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_failed_component_ends_the_job_and_is_named(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
                           "num_rollout=500", "engine.max_restarts=0", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 2, timeout=120)
-    engine = json.load(open(run_dir / "rendezvous" / "engine_0.json"))
+    engine = json.load(open(RunDir(run_dir).engine_file(0)))
     os.kill(engine["pid"], signal.SIGKILL)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1
@@ -113,6 +116,7 @@ def test_failed_component_ends_the_job_and_is_named(tmp_path):
     assert wait_until(lambda: not procs_of(run_dir), timeout=20), procs_of(run_dir)
 
 
+@pytest.mark.slow
 def test_sigterm_to_launcher_leaves_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
@@ -142,5 +146,5 @@ def test_colocated_run_with_bucketed_tensor_updates(tmp_path):
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in records)
     assert all(r["weights/buckets"] > 5 for r in records)  # each version arrived in several requests
-    log = open(run_dir / "logs" / "engine_0.log").read()
+    log = open(RunDir(run_dir).log_file("engine_0")).read()
     assert log.count("memory released: kv_cache, weights") == 3

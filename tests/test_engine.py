@@ -14,13 +14,14 @@ from pipeline.models.logprobs import token_logprobs
 from pipeline.rollout.client import EngineClient, EngineError, EnginePool
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.rollout.engine.sampling import hash_uniform, sample, truncation_mask
+from pipeline.rollout.protocol import MemoryTag
 
 
-def make_engine(model_dir, max_running=8, context=64, graph_bs=0, quantization=None):
+def make_engine(model_dir, max_running=8, context=64, graph_bs=0, quantization=None, overlap=False):
     _, model = load_model(model_dir)
     engine = Engine(model, max_running=max_running, context_length=context, eos_token_ids=[0],
                     device=torch.device("cpu"), dtype=torch.float32, cuda_graph_max_bs=graph_bs,
-                    quantization=quantization)
+                    quantization=quantization, overlap=overlap)
     engine.capture_graphs()  # as the server does before it serves
     return engine
 
@@ -96,10 +97,10 @@ def test_fixed_shape_decode_survives_a_memory_release(dense_dir):
     engine.resume_memory(None)
     _, fresh = load_model(dense_dir)
     new = {n: t + 0.01 for n, t in fresh.state_dict().items()}
-    engine.load_weights(new, "2")
+    engine.load_weights(new, 2)
     reqs = [Request([5 + i, 6], SamplingParams(max_new_tokens=6, ignore_eos=True, sampling_seed=i)) for i in range(3)]
     run_all(engine, reqs)
-    assert engine.graphs.steps and engine.weight_version == "2"
+    assert engine.graphs.steps and engine.weight_version == 2
     for r in reqs:
         ref = full_forward_logprobs(engine.model, r.input_ids, r.output_ids, 1.0)
         torch.testing.assert_close(torch.tensor(r.output_logprobs), ref, rtol=0, atol=2e-5)
@@ -126,18 +127,16 @@ def test_fixed_shape_decode_is_bit_identical_in_batch_invariant_mode(dense_dir):
 
 
 @pytest.mark.parametrize("graph_bs", [0, 4])
-def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs, monkeypatch):
-    """With overlap (LOCKSTEP_OVERLAP=1: step t+1 launched from step t's tokens before the host reads step t) every request
+def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs):
+    """With overlap (engine.overlap_schedule: step t+1 launched from step t's tokens before the host reads step t) every request
     gets the tokens, logprobs and finish reason of the step-by-step engine: requests stopping on a stop
     token in the middle of a batch, length limits of every size, more requests than slots (admission
     while others decode), one abort. Batch-invariant kernels, so batch composition cannot hide a
     difference."""
     from lockstep_kernels import batch_invariant_mode
-    from pipeline.rollout.engine import core
 
     def run(overlap):
-        monkeypatch.setattr(core, "OVERLAP", overlap)
-        engine = make_engine(dense_dir, max_running=4, graph_bs=graph_bs)
+        engine = make_engine(dense_dir, max_running=4, graph_bs=graph_bs, overlap=overlap)
         reqs = [Request([3 + i % 5] * (1 + i % 3), SamplingParams(
             max_new_tokens=2 + (i * 7) % 13, ignore_eos=True, sampling_seed=i,
             stop_token_ids=[7, 11] if i % 2 else [])) for i in range(10)]
@@ -162,15 +161,56 @@ def test_overlapped_decode_gives_the_step_by_step_results(dense_dir, graph_bs, m
     assert {"stop", "length", "abort"} <= set(reasons), reasons
 
 
+def test_engine_settings_from_the_config_reach_the_engine(dense_dir, tmp_path):
+    """engine.overlap_schedule / engine.sampling_backend / determinism.kernel_backend travel as server
+    flags (engine_argv) and the engine built from those flags runs with them; the defaults too."""
+    import lockstep_kernels
+    from lockstep_kernels import dispatch
+    from pipeline.config import load_config
+    from pipeline.launch.component import engine_argv
+    from pipeline.rollout.engine import server
+
+    def engine_for(*overrides):
+        cfg = load_config("configs/tiny.yaml", list(overrides))
+        argv = engine_argv(cfg, str(tmp_path), 0)
+        args = server.parse_args(argv)
+        args.model_path = dense_dir  # the run's own model is made by `lockstep run`
+        return argv, server.engine_from_args(args)[0]
+
+    try:
+        argv, engine = engine_for("engine.overlap_schedule=true", "engine.sampling_backend=pytorch",
+                                  "determinism.kernel_backend=torch")
+        assert "--enable-overlap-schedule" in argv and argv[argv.index("--sampling-backend") + 1] == "pytorch"
+        assert engine.overlap and not engine.fused_sampling and dispatch.backend() == "torch"
+        reqs = [Request([5 + i, 6], SamplingParams(max_new_tokens=6, ignore_eos=True, sampling_seed=i)) for i in range(3)]
+        run_all(engine, reqs)
+        assert all(len(r.output_ids) == 6 for r in reqs)
+        argv, engine = engine_for()
+        assert "--enable-overlap-schedule" not in argv
+        assert not engine.overlap and engine.fused_sampling and dispatch.backend() == "auto"
+    finally:
+        lockstep_kernels.set_backend("auto")
+        lockstep_kernels.set_batch_invariant(False)
+
+
+def test_a_request_without_a_seed_is_refused():
+    with pytest.raises(ValueError, match="sampling_seed is missing.*pass sampling_seed"):
+        Request([5, 6], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="sampling_seed is missing"):
+        Request([5, 6], SamplingParams.from_json({"max_new_tokens": 4, "temperature": 0.0}))
+    assert Request([5], SamplingParams.from_json({"sampling_seed": "7"})).seed() == 7
+
+
 def test_greedy_and_stop(dense_dir):
     engine = make_engine(dense_dir)
-    greedy = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))])[0]
+    greedy = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True,
+                                                             sampling_seed=1))])[0]
     again = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True,
                                                              sampling_seed=99))])[0]
     assert greedy.output_ids == again.output_ids  # greedy ignores the seed
     stop_tok = greedy.output_ids[3]
     first = greedy.output_ids.index(stop_tok)
-    stopped = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0,
+    stopped = run_all(engine, [Request([5, 6], SamplingParams(max_new_tokens=10, temperature=0.0, sampling_seed=1,
                                                                stop_token_ids=[stop_tok], ignore_eos=True))])[0]
     assert stopped.output_ids == greedy.output_ids[: first + 1]
     assert stopped.finish_reason == {"type": "stop", "matched": stop_tok}
@@ -205,16 +245,20 @@ def test_http_protocol(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
     c = EngineClient(eng.url)
     assert c.health()
+    with pytest.raises(EngineError, match="HTTP 400.*sampling_seed is missing"):  # no seed, no tokens
+        c.request("POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}})
     one = c.request("POST", "/generate", {"input_ids": [5, 6, 7], "return_logprob": True,
-                                          "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+                                          "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                                              "sampling_seed": 0}})
     assert set(one) >= {"text", "output_ids", "meta_info"}
     meta = one["meta_info"]
     assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == len(one["output_ids"])
     assert meta["finish_reason"]["type"] in ("stop", "length")
     assert [x[1] for x in meta["output_token_logprobs"]] == one["output_ids"]
-    gens = c.generate([[5, 6, 7], [8, 9]], [{"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}] * 2)
+    gens = c.generate([[5, 6, 7], [8, 9]], [{"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                                             "sampling_seed": 0}] * 2)
     assert gens[0].output_ids == one["output_ids"][:3] and len(gens[1].output_ids) == 3
-    assert c.weight_version() == "0"
+    assert c.weight_version() == 0 and gens[0].weight_version == 0 and meta["weight_version"] == "0"
     assert c.request("GET", "/get_model_info")["model_path"] == dense_dir
     w = c.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 5})
     _, model = load_model(dense_dir)
@@ -235,7 +279,8 @@ def test_http_abort_of_a_waiting_and_of_a_running_request(dense_dir, engine_fact
         return c.request("GET", "/get_server_info")
 
     def start(rid, results):
-        body = {"input_ids": [5], "rid": rid, "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
+        body = {"input_ids": [5], "rid": rid, "sampling_params": {"max_new_tokens": 120, "ignore_eos": True,
+                                                                  "sampling_seed": 0}}
         t = threading.Thread(target=lambda: results.update({rid: EngineClient(eng.url).request("POST", "/generate", body)}))
         t.start()
         return t
@@ -273,12 +318,12 @@ def test_http_abort_of_a_waiting_and_of_a_running_request(dense_dir, engine_fact
 def test_pool_retries_on_another_engine(dense_dir, engine_factory):
     good = engine_factory(dense_dir)
     pool = EnginePool(["http://127.0.0.1:9", good.url], timeout_s=5, max_retries=3)
-    gens = pool.generate([[5, 6]], [{"max_new_tokens": 2, "ignore_eos": True}])
+    gens = pool.generate([[5, 6]], [{"max_new_tokens": 2, "ignore_eos": True, "sampling_seed": 0}])
     assert len(gens[0].output_ids) == 2 and gens[0].engine_url == good.url
     assert pool.retries <= 1
     dead = EnginePool(["http://127.0.0.1:9"], timeout_s=2, max_retries=2)
     with pytest.raises(EngineError, match="after 2 attempts"):
-        dead.generate([[5]], [{"max_new_tokens": 1}])
+        dead.generate([[5]], [{"max_new_tokens": 1, "sampling_seed": 0}])
 
 
 def test_scheduler_failure_fails_requests_and_ends_the_server(dense_dir, engine_factory):
@@ -287,7 +332,8 @@ def test_scheduler_failure_fails_requests_and_ends_the_server(dense_dir, engine_
     c = EngineClient(eng.url, timeout_s=30)
     # A token id past the vocabulary makes the embedding lookup raise inside the scheduler.
     with pytest.raises(EngineError, match="HTTP 500.*engine failed"):
-        c.request("POST", "/generate", {"input_ids": [5, 10_000_000], "sampling_params": {"max_new_tokens": 2}})
+        c.request("POST", "/generate", {"input_ids": [5, 10_000_000],
+                                        "sampling_params": {"max_new_tokens": 2, "sampling_seed": 0}})
     assert eng.proc.wait(timeout=30) != 0
 
 
@@ -330,12 +376,12 @@ def test_engine_weights_are_one_buffer_and_an_export_in_that_layout_is_one_copy(
         at += p.numel()
     assert copy_tensors([p for _, p in params], list(named.values())) == 1
     assert torch.equal(flat, export)
-    engine.load_weights({n: t * 2 for n, t in named.items()}, "2")  # separate tensors
+    engine.load_weights({n: t * 2 for n, t in named.items()}, 2)  # separate tensors
     assert torch.equal(flat, export * 2)
     engine.pause()
-    engine.release_memory(["weights"])
+    engine.release_memory([MemoryTag.WEIGHTS])
     assert flat.untyped_storage().nbytes() == 0
-    engine.resume_memory(["weights"])
-    engine.load_weights(named, "3")
+    engine.resume_memory([MemoryTag.WEIGHTS])
+    engine.load_weights(named, 3)
     assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for _, p in params)
     assert torch.equal(flat, export) and torch.equal(params[1][1], named[params[1][0]])

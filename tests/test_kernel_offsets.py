@@ -24,6 +24,7 @@ NAMES = ["offsets", "matmul_2g", "rms_norm_2g", "log_softmax_2g", "attention_2g"
          "sampling_2g", "fp8_2g", "fp8_matmul_2g"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_offsets_past_2g(name):
     res = subprocess.run([sys.executable, "-X", "faulthandler", "tests/triton_checks.py", "--small", name], cwd=REPO,

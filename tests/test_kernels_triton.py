@@ -35,6 +35,7 @@ def results():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_triton_kernel(results, name):
     r = results[name]

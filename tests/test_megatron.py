@@ -5,6 +5,7 @@ and whole runs."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import dist_helpers
 from conftest import make_model_dir
 from pipeline.models.hf_io import load_model
 from pipeline.models.qwen3 import MoeRouting
+from pipeline.run import RunDir
 from pipeline.trainer.megatron.convert import fuse_qkv, to_hf, to_megatron, unfuse_qkv
 
 import megatron.core  # noqa: E402,F401  (a test dependency: scripts/setup.sh test installs it)
@@ -78,6 +80,7 @@ def our_grad_norm(model) -> float:
     return sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None) ** 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which,world,tp,ep,sp,pp", [
     ("dense_dir", 1, 1, 1, False, 1), ("moe_dir", 1, 1, 1, False, 1), ("dense_dir", 2, 2, 1, False, 1),
     ("moe_dir", 2, 1, 2, False, 1), ("dense_dir", 2, 2, 1, True, 1), ("moe_dir", 2, 2, 1, True, 1),
@@ -99,6 +102,7 @@ def test_megatron_logits_equal_ours_and_weights_gather_back(which, world, tp, ep
         assert torch.equal(got["state"][k], v), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 1, True)])
 def test_routing_replay_reaches_the_megatron_router(moe_dir, tmp_path, tp, ep, sp):
     """The trace is not what either router would pick; with replay both follow it, so their logits
@@ -111,6 +115,7 @@ def test_routing_replay_reaches_the_megatron_router(moe_dir, tmp_path, tp, ep, s
     assert (replayed - our_logits(ours)).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_megatron_activation_recompute_keeps_the_gradients(moe_dir, tmp_path):
     """train.recompute_activations on megatron (full, every layer): each layer's forward runs under
     megatron's activation checkpoint and is recomputed in backward, R3's replayed experts included,
@@ -143,6 +148,7 @@ def test_megatron_config_refusals():
                                           "train.tensor_model_parallel_size=2", "train.num_gpus=2"])
 
 
+@pytest.mark.slow
 def test_megatron_ppo_critic_matches_fsdp_and_resumes(tmp_path):
     """PPO on the megatron backend (TP=2, the critic a GPTModel with a value head, stopped after its
     step-2 checkpoint and rerun to step 4) against FSDP2 on one rank: the same value losses, gradient
@@ -170,7 +176,8 @@ def test_megatron_ppo_critic_matches_fsdp_and_resumes(tmp_path):
 def test_pipeline_stage_split_round_trips(tied_dir):
     """Each stage keeps its layers (renumbered from 0) and its ends; the tied embedding's copy sits on
     the last stage as its output layer; the stages' shards put back together are the whole model's."""
-    from pipeline.trainer.megatron.convert import check_parallel, global_names, stage_shard
+    from pipeline.config.validate import check_parallel
+    from pipeline.trainer.megatron.convert import global_names, stage_shard
 
     args, model = load_model(tied_dir)
     whole = to_megatron(model.state_dict(), args)
@@ -187,6 +194,7 @@ def test_pipeline_stage_split_round_trips(tied_dir):
         check_parallel(args, 1, 1, n + 1)
 
 
+@pytest.mark.slow
 def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
     """Two pipeline stages (a tied-embedding MoE model, R3 replay, entropy bonus, PPO: the critic's stage
     hand-overs share the policy's backward) against the same run on one rank: the same rewards, losses
@@ -212,10 +220,11 @@ def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
         for key in ("rollout/reward_mean", "train/loss", "train/value_loss"):
             assert a[key] == b[key], (key, a, b)
         assert b["train/rollout_logprob_max_abs_diff"] < 1e-5
-    one, two = (load_file(f"{tmp_path}/pp{pp}/hf/model.safetensors") for pp in (1, 2))
+    one, two = (load_file(os.path.join(RunDir(tmp_path / f"pp{pp}").hf_export, "model.safetensors")) for pp in (1, 2))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
+@pytest.mark.slow
 def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
     """Dense, TP=1, batch-invariant mode: megatron's layers run on Lockstep's kernels, so the trainer's
     logprobs equal the engine's bit for bit every step (the run itself stops if they do not)."""
@@ -229,6 +238,7 @@ def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
     assert len(rows) == 6 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,resume", [
     (["model.init=tiny-dense", "train.tensor_model_parallel_size=2"], True),
     (["model.init=tiny-moe", "train.expert_model_parallel_size=2", "determinism.routing_replay=true"], False),
@@ -256,4 +266,4 @@ def test_megatron_runs_train_and_resume(variant, resume, tmp_path):
     first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
     last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.02, (first, last)
-    assert json.load(open(tmp_path / "run" / "hf" / "config.json"))["model_type"] in ("qwen3", "qwen3_moe")
+    assert json.load(open(os.path.join(RunDir(tmp_path / "run").hf_export, "config.json")))["model_type"] in ("qwen3", "qwen3_moe")

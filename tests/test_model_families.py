@@ -17,6 +17,7 @@ from pipeline.errors import UserError
 from pipeline.models.attention import PackedCausal
 from pipeline.models.config import ModelArgs
 from pipeline.models.hf_io import load_model, read_state_dict, save_model
+from pipeline.run import RunDir
 
 transformers = pytest.importorskip("transformers")
 
@@ -324,7 +325,7 @@ def test_cli_refuses_before_anything_starts(model_type, edit, extra, fragment, t
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(fragment), res.stderr
-    assert not os.path.exists(tmp_path / "run" / "logs" / "engine_0.log")
+    assert not os.path.exists(RunDir(tmp_path / "run").log_file("engine_0"))
 
 
 # ---- megatron ------------------------------------------------------------------------------------
@@ -359,6 +360,7 @@ def test_megatron_conversion_round_trips(name, tp, megatron_dirs):
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+@pytest.mark.slow
 def test_megatron_logits_equal_ours(megatron_dirs, tmp_path):
     """megatron's GPTModel with q/k/v biases (split over TP=2), no q/k norm and Lockstep's RoPE table
     (YaRN's cos/sin factor included) gives our logits, and its weights gather back exactly. (Llama's
@@ -379,15 +381,16 @@ def test_megatron_logits_equal_ours(megatron_dirs, tmp_path):
 
 def test_megatron_refuses_biases_it_cannot_express():
     from pipeline.errors import ConfigError
-    from pipeline.trainer.megatron.model import check_model
+    from pipeline.config.validate import check_megatron_model
 
-    check_model(ModelArgs.from_hf(QWEN25_7B_INSTRUCT))
+    check_megatron_model(ModelArgs.from_hf(QWEN25_7B_INSTRUCT))
     with pytest.raises(ConfigError, match="attention_bias=true on model_type 'llama' .o_proj bias., mlp_bias=true"):
-        check_model(ModelArgs.from_hf(_edit(LLAMA31_8B_INSTRUCT, attention_bias=True, mlp_bias=True)))
+        check_megatron_model(ModelArgs.from_hf(_edit(LLAMA31_8B_INSTRUCT, attention_bias=True, mlp_bias=True)))
 
 
 # ---- whole runs -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type,rope,legacy,overrides", [
     ("qwen2", YARN, "type", dict(max_position_embeddings=128)),  # Qwen2.5-shaped, the YaRN recipe's config
     ("llama", LLAMA3, "rope_type", dict(max_position_embeddings=128, tie_word_embeddings=True)),  # Llama-3.2-shaped
@@ -409,12 +412,12 @@ def test_true_on_policy_run_on_a_transformers_checkpoint(model_type, rope, legac
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(str(run_dir))
     assert len(rows) == 3 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)
-    written, read = (json.load(open(os.path.join(d, "config.json"))) for d in (run_dir / "hf", path))
+    written, read = (json.load(open(os.path.join(d, "config.json"))) for d in (RunDir(run_dir).hf_export, path))
     assert written["model_type"] == model_type and written["rope_scaling"] == read["rope_scaling"]
-    hf = hf_model(str(run_dir / "hf"))
-    args, ours = load_model(str(run_dir / "hf"))
+    hf = hf_model(RunDir(run_dir).hf_export)
+    args, ours = load_model(RunDir(run_dir).hf_export)
     ids = torch.randint(0, TINY["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours_logits(ours, ids), hf(ids).logits, rtol=1e-5, atol=2e-5)
-    trained, start = read_state_dict(str(run_dir / "hf")), read_state_dict(path)
+    trained, start = read_state_dict(RunDir(run_dir).hf_export), read_state_dict(path)
     assert any(not torch.equal(trained[k], start[k]) for k in start)

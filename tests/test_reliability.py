@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from pipeline.errors import StorageError
 from pipeline.models.hf_io import load_model, read_state_dict
 from pipeline.observability.metrics import read_metrics
 from pipeline.rollout.client import EngineClient, EngineError
-from pipeline.weights.broadcast import BroadcastSender
+from pipeline.run import RunDir
+from pipeline.weights.broadcast import BroadcastTransport
 
 from conftest import REPO, wait_until
 from test_e2e import lockstep, procs_of
@@ -41,11 +43,12 @@ def weights_equal(a_dir, b_dir) -> bool:
 
 
 def engine_pid(run_dir, i=0) -> int:
-    return json.load(open(os.path.join(run_dir, "rendezvous", f"engine_{i}.json")))["pid"]
+    return json.load(open(RunDir(run_dir).engine_file(i)))["pid"]
 
 
 # ---- engines die -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tmp_path):
     """SIGKILL one of two engines while it generates: its requests go to the other engine, the launcher
     restarts it, the trainer catches it up to the current weights, and the run ends with exactly the
@@ -65,14 +68,15 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tmp_pat
     assert engine_pid(run, 0) != first_pid  # a new process published its address
     rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == list(range(8))  # every step trained exactly once
-    assert weights_equal(f"{tmp_path}/ref/hf", f"{run}/hf")  # ... and on the same groups
+    assert weights_equal(RunDir(tmp_path / "ref").hf_export, RunDir(run).hf_export)  # ... and on the same groups
     # The restarted engine rejoined the weight group: caught up by the trainer's watcher, or, when it
     # registered just before a step's sync, taken into that sync's rebuilt group (1 engine, then 2).
-    trainer_log = open(run / "logs" / "trainer_0.log").read()
+    trainer_log = open(RunDir(run).log_file("trainer_0")).read()
     assert "caught up" in trainer_log or re.search(r": 1 engine\(s\)\n(.*\n)*.*: 2 engine\(s\)", trainer_log)
     assert wait_until(lambda: not procs_of(run), 20)
 
 
+@pytest.mark.slow
 def test_engine_that_keeps_dying_ends_the_run_named(tmp_path):
     # Every engine process exits at its 3rd request: restarts run out and the run stops, naming it.
     p = launch(tmp_path / "run", "num_rollout=50", "engine.max_restarts=1",
@@ -85,13 +89,14 @@ def test_engine_that_keeps_dying_ends_the_run_named(tmp_path):
 
 # ---- trainer ranks die, checkpoints ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_trainer_rank_killed_stops_cleanly_and_resume_matches(tmp_path):
     common = ["num_rollout=6", "train.num_gpus=2", "checkpoint.save_interval=2"]
     ref = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/ref", *SMALL, *common)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "run"
     p = launch(run, *common)
-    assert wait_until(lambda: os.path.exists(run / "checkpoints" / "step_000002" / "trainer_state.json"), 300)
+    assert wait_until(lambda: os.path.exists(os.path.join(RunDir(run).checkpoints, "step_000002", "trainer_state.json")), 300)
     rank1 = next(pid for pid in procs_of(run) if "RANK=1" in open(f"/proc/{pid}/environ").read().split("\0"))
     os.kill(rank1, signal.SIGKILL)
     out, err = p.communicate(timeout=300)
@@ -99,25 +104,26 @@ def test_trainer_rank_killed_stops_cleanly_and_resume_matches(tmp_path):
     assert wait_until(lambda: not procs_of(run), 30), procs_of(run)
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", *SMALL, *common)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from checkpoint step" in open(run / "logs" / "trainer_0.log").read()
+    assert "resumed from checkpoint step" in open(RunDir(run).log_file("trainer_0")).read()
     assert [r["step"] for r in read_metrics(str(run))] == list(range(6))
-    assert weights_equal(f"{tmp_path}/ref/hf", f"{run}/hf")
+    assert weights_equal(RunDir(tmp_path / "ref").hf_export, RunDir(run).hf_export)
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_save_keeps_the_previous_one(tmp_path):
     run = tmp_path / "run"
     common = ["num_rollout=6", "checkpoint.save_interval=2", "checkpoint.keep_last=1"]
     p = launch(run, *common, env={"LOCKSTEP_FAULTS": "slow_checkpoint=4:60"})
-    tmp_ckpt = run / "checkpoints" / ".step_000004.tmp"
+    tmp_ckpt = Path(RunDir(run).checkpoints) / ".step_000004.tmp"
     assert wait_until(lambda: (tmp_ckpt / ".metadata").exists(), 300)  # DCP files written, not committed
     os.kill(p.pid, signal.SIGKILL)  # the launcher; its children follow it (PR_SET_PDEATHSIG)
     p.communicate()
     assert wait_until(lambda: not procs_of(run), 30)
-    assert sorted(os.listdir(run / "checkpoints")) == [".step_000004.tmp", "step_000002"]
+    assert sorted(os.listdir(RunDir(run).checkpoints)) == [".step_000004.tmp", "step_000002"]
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", *SMALL, *common)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from checkpoint step 2" in open(run / "logs" / "trainer_0.log").read()
-    assert sorted(os.listdir(run / "checkpoints")) == ["step_000006"]  # keep_last=1, no leftovers
+    assert "resumed from checkpoint step 2" in open(RunDir(run).log_file("trainer_0")).read()
+    assert sorted(os.listdir(RunDir(run).checkpoints)) == ["step_000006"]  # keep_last=1, no leftovers
     assert [r["step"] for r in read_metrics(str(run))] == list(range(6))
 
 
@@ -135,7 +141,7 @@ def engine_weights(client, names):
 
 
 def assert_holds(client, weights, version):
-    assert client.weight_version() == str(version)
+    assert client.weight_version() == version
     got = engine_weights(client, weights)
     assert all(torch.equal(got[n], weights[n].flatten()) for n in weights)
 
@@ -144,11 +150,11 @@ SENDER = textwrap.dedent("""
     import sys, torch
     from pipeline.config.schema import WeightsConfig
     from pipeline.rollout.client import EngineClient
-    from pipeline.weights.broadcast import BroadcastSender
+    from pipeline.weights.broadcast import BroadcastTransport
     url, path = sys.argv[1], sys.argv[2]
     weights = torch.load(path)
-    s = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=5), [EngineClient(url)],
-                        torch.device("cpu"), "127.0.0.1")
+    s = BroadcastTransport(WeightsConfig(bucket_size_mb=0.01, timeout_s=5), [EngineClient(url)],
+                           torch.device("cpu"), "127.0.0.1")
     s.connect()
     print("connected", flush=True)
     s.send(list(weights.items()), version=7)
@@ -171,15 +177,16 @@ def test_trainer_gone_mid_update_engine_keeps_last_complete_version(dense_dir, e
     sender.wait()
     time.sleep(6)  # the engine's broadcast fails (peer gone, or the 5 s group timeout)
     assert_holds(client, original, 0)  # the old version, whole: nothing of the cut-off update applied
-    assert len(client.generate([[5, 6]], [{"max_new_tokens": 3, "ignore_eos": True}])[0].output_ids) == 3
+    assert len(client.generate([[5, 6]], [{"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 0}])[0].output_ids) == 3
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_up(dense_dir, engine_factory):
     a = engine_factory(dense_dir)
     b = engine_factory(dense_dir, env={"LOCKSTEP_FAULTS": "engine_update_delay_s=0.5"})
     urls = [a.url, b.url]
-    sender = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=5),
-                             [EngineClient(u) for u in urls], torch.device("cpu"), "127.0.0.1", urls=lambda: urls)
+    sender = BroadcastTransport(WeightsConfig(bucket_size_mb=0.01, timeout_s=5),
+                                [EngineClient(u) for u in urls], torch.device("cpu"), "127.0.0.1", urls=lambda: urls)
     sender.connect()
     v1 = perturbed(dense_dir, 1)
     killer = threading.Timer(1.0, lambda: os.kill(b.proc.pid, signal.SIGKILL))
@@ -187,22 +194,23 @@ def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_u
     t0 = time.monotonic()
     stats = sender.send(list(v1.items()), version=1)
     assert time.monotonic() - t0 < 60 and stats["retries"] >= 1
-    assert sender.members == [a.url]
+    assert [e.url for e in sender.clients] == [a.url]
     assert_holds(EngineClient(a.url), v1, 1)
     # A replacement engine (new process, new port) is picked up and sent the last version from the host copy.
     c = engine_factory(dense_dir)
     urls[1] = c.url
     assert sender.catch_up()
-    assert sender.members == [a.url, c.url]
+    assert [e.url for e in sender.clients] == [a.url, c.url]
     assert_holds(EngineClient(c.url), v1, 1)
     assert not sender.catch_up()  # nothing changed since
     sender.close()
 
 
+@pytest.mark.slow
 def test_weight_update_to_a_stopped_engine_times_out_with_a_clear_error(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
-    sender = BroadcastSender(WeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],
-                             torch.device("cpu"), "127.0.0.1")
+    sender = BroadcastTransport(WeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],
+                                torch.device("cpu"), "127.0.0.1")
     sender.connect()
     os.kill(eng.proc.pid, signal.SIGSTOP)  # alive but silent: the case a hang would come from
     try:
@@ -258,22 +266,22 @@ def test_disk_full_while_writing_a_shard(small_fs):
     """In a process of its own, because the failure used to surface at interpreter exit: HDF5 left
     with a failed write crashed the process (SIGSEGV) after the test itself had passed."""
     from pipeline.buffer.reader import BufferReader
-    from pipeline.buffer.writer import ShardWriter
+    from pipeline.buffer.writer import ShardWriter, step_dir
     from pipeline.buffer.schema import RolloutBatch
     from test_buffer import make_samples
 
-    writer = ShardWriter(str(small_fs / "buffer"))
+    writer = ShardWriter(RunDir(small_fs).buffer)
     writer.write(0, RolloutBatch.from_samples(make_samples(8)))
     writer.commit(0)
     fill(small_fs, 64 << 10)
-    res = subprocess.run([sys.executable, "-c", DISK_FULL_WRITER, str(small_fs / "buffer")], cwd=REPO,
+    res = subprocess.run([sys.executable, "-c", DISK_FULL_WRITER, RunDir(small_fs).buffer], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "refused:" in res.stdout and "No space left on device" in res.stdout, res.stdout
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    step1 = small_fs / "buffer" / "step_000001"
+    step1 = Path(step_dir(RunDir(small_fs).buffer, 1))
     assert not step1.exists() or os.listdir(step1) == []  # no part, no record, no temp file
-    reader = BufferReader(str(small_fs / "buffer"))
+    reader = BufferReader(RunDir(small_fs).buffer)
     assert reader.committed_steps() == [0] and len(reader.read_step(0)) == 8
 
 
@@ -291,7 +299,7 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(small_fs, dense_dir)
         with pytest.raises(StorageError, match="checkpoint of step 2.*No space left"):
             checkpoint.save(str(small_fs), 2, model, opt, sched, {}, keep_last=3)
         assert checkpoint.list_checkpoints(str(small_fs)) == [1]
-        assert not [n for n in os.listdir(small_fs / "checkpoints") if n.endswith(".tmp")]
+        assert not [n for n in os.listdir(RunDir(small_fs).checkpoints) if n.endswith(".tmp")]
         os.unlink(small_fs / "filler")
         assert checkpoint.load(str(small_fs), 1, model, opt, sched)["step"] == 1
     finally:
@@ -337,6 +345,7 @@ def failing_reward(response, label, metadata):
     return 1.0
 
 
+@pytest.mark.slow
 def test_reward_function_raising_marks_samples_failed_and_the_run_goes_on(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *SMALL, "num_rollout=3",
                    "rollout.rm_type=test_reliability:failing_reward", "checkpoint.export_hf=false",
@@ -346,6 +355,7 @@ def test_reward_function_raising_marks_samples_failed_and_the_run_goes_on(tmp_pa
     assert len(rows) == 3 and all(r["rollout/reward_failed"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_nan_gradient_is_skipped_then_too_many_stop_the_run(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/once", *SMALL, "num_rollout=4",
                    "checkpoint.export_hf=false", env=dict(os.environ, LOCKSTEP_FAULTS="nan_grad_steps=1"))
@@ -356,7 +366,7 @@ def test_nan_gradient_is_skipped_then_too_many_stop_the_run(tmp_path):
                    "train.max_consecutive_nonfinite=2", "checkpoint.export_hf=false",
                    env=dict(os.environ, LOCKSTEP_FAULTS="nan_grad_steps=2-100"))
     assert res.returncode != 0
-    log = open(f"{tmp_path}/always/logs/trainer_0.log").read()
+    log = open(RunDir(tmp_path / "always").log_file("trainer_0")).read()
     assert "2 optimizer steps in a row had a non-finite loss or gradient" in log
     assert len(read_metrics(f"{tmp_path}/always")) <= 3
 
@@ -366,10 +376,10 @@ def test_nan_gradient_is_skipped_then_too_many_stop_the_run(tmp_path):
 def test_engine_rejects_requests_without_the_run_token(dense_dir, engine_factory):
     eng = engine_factory(dense_dir, extra=["--api-key", "s3cret"])
     with pytest.raises(EngineError, match="HTTP 401"):
-        EngineClient(eng.url).request("POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
+        EngineClient(eng.url).request("POST", "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1, "sampling_seed": 0}})
     with pytest.raises(EngineError, match="HTTP 401"):
         EngineClient(eng.url, api_key="wrong").request("GET", "/get_weight_version")
-    assert EngineClient(eng.url, api_key="s3cret").weight_version() == "0"
+    assert EngineClient(eng.url, api_key="s3cret").weight_version() == 0
 
 
 def test_engine_refuses_all_interfaces_by_default(dense_dir):
@@ -382,7 +392,7 @@ def test_run_token_is_private_and_used(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", *SMALL, "num_rollout=1",
                    "checkpoint.export_hf=false")
     assert res.returncode == 0, res.stderr[-3000:]
-    token = tmp_path / "run" / ".token"
+    token = Path(RunDir(tmp_path / "run").token_file)
     assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text().strip()) == 32
 
 

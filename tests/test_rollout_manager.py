@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from pipeline.buffer.reader import BufferReader
-from pipeline.buffer.schema import STATUS, TRAINABLE
+from pipeline.buffer.schema import TRAINABLE, SampleStatus
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 from test_e2e import lockstep
 
@@ -31,6 +32,7 @@ def test_filters():
     assert resolve_filter(None)(group)
 
 
+@pytest.mark.slow
 def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
     run = tmp_path / "run"
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", "num_rollout=8", "rollout_batch_size=6",
@@ -39,7 +41,7 @@ def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
                    "mask_offpolicy_in_partial_rollout=true", "rollout_max_response_len=12", "n_samples_per_prompt=4",
                    "global_batch_size=24", "engine.max_running_requests=8", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
-    reader = BufferReader(str(run / "buffer"))
+    reader = BufferReader(RunDir(run).buffer)
     steps = reader.committed_steps()
     assert steps == list(range(8))
     trained, filtered, continued, pending_seen = [], set(), 0, 0
@@ -60,7 +62,7 @@ def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
         for i in range(len(batch)):
             if batch.status[i] in TRAINABLE and batch.loss_mask[batch.response_slice(i)].min() == 0:
                 continued += 1
-        assert all(st in (STATUS["aborted"], STATUS["deferred"]) for m, st in zip(metas, batch.status)
+        assert all(st in (SampleStatus.ABORTED, SampleStatus.DEFERRED) for m, st in zip(metas, batch.status)
                    if m["draw"] in state["pending_draws"])
     last = reader.commit(steps[-1])["rollout_state"]
     drawn = set(range(last["next_draw"]))
@@ -86,6 +88,7 @@ class RewardModel(BaseHTTPRequestHandler):
         self.wfile.write(out)
 
 
+@pytest.mark.slow
 def test_remote_reward_model_over_http(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), RewardModel)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -94,7 +97,7 @@ def test_remote_reward_model_over_http(tmp_path):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "num_rollout=3", "rollout_batch_size=8",
                        "global_batch_size=128", f"rollout.rm_type=remote:{url}", "--no-progress")
         assert res.returncode == 0, res.stderr[-3000:]
-        batch = BufferReader(f"{tmp_path}/run/buffer").read_step(0)
+        batch = BufferReader(RunDir(tmp_path / "run").buffer).read_step(0)
         assert "length" in batch.reward_components and batch.reward_components["length"].max() > 0
         assert set(np.unique(batch.rewards)) <= {0.0, 1.0}
     finally:

@@ -18,12 +18,14 @@ import torch
 from conftest import REPO, wait_until
 from pipeline.config import load_config
 from pipeline.errors import ComponentFailed
-from pipeline.launch import rendezvous as rdzv
 from pipeline.models.hf_io import load_model
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError, EnginePool, EngineStateError
+from pipeline.rollout.protocol import MemoryTag
 from pipeline.rollout.router import SglangRouter
 from pipeline.rollout.sglang_server import SglangSupervisor
+from pipeline.run import RunDir
+from pipeline.utils.fs import read_json
 
 CONTRACT_ENV = os.path.join(REPO, ".venv", "sglang-contract")
 TOKEN = "test-run-token"
@@ -40,6 +42,7 @@ def contract_env(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", CONTRACT_ENV)
 
 
+@pytest.mark.slow
 def test_sglang_router_in_front_of_two_builtin_engines(dense_dir, engine_factory, contract_env, tmp_path):
     engines = [engine_factory(dense_dir, ["--api-key", TOKEN]) for _ in range(2)]
     router = SglangRouter("round_robin", api_key=TOKEN, log_path=str(tmp_path / "router.log"))
@@ -65,6 +68,7 @@ def test_sglang_router_in_front_of_two_builtin_engines(dense_dir, engine_factory
         router.stop()
 
 
+@pytest.mark.slow
 def test_router_waits_for_every_engine_to_hold_the_version(dense_dir, engine_factory, contract_env, tmp_path):
     """Behind a router any engine may answer, so a step's requests go out only once all engines hold
     its weight version."""
@@ -79,11 +83,12 @@ def test_router_waits_for_every_engine_to_hold_the_version(dense_dir, engine_fac
         with pytest.raises(EngineError, match="weight version >= 1"):
             pool.generate([[5]], [params()], min_version=1)
         EngineClient(engines[1].url, api_key=TOKEN).update_weights_from_tensor(named, version=1)
-        assert pool.generate([[5]], [params()], min_version=1)[0].weight_version == "1"
+        assert pool.generate([[5]], [params()], min_version=1)[0].weight_version == 1
     finally:
         router.stop()
 
 
+@pytest.mark.slow
 def test_sticky_sessions_return_to_their_engine(dense_dir, engine_factory):
     engines = [engine_factory(dense_dir) for _ in range(2)]
     pool = EnginePool([e.url for e in engines], timeout_s=30)
@@ -103,19 +108,21 @@ def test_colocated_tensor_update_memory_release_and_resume(dense_dir, engine_fac
     changed = dict(original, **{"model.norm.weight": torch.full_like(original["model.norm.weight"], 0.5)})
     c.update_weights_from_tensor(list(changed.items()), version=1)
     got = c.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
-    assert got == [0.5, 0.5, 0.5] and c.weight_version() == "1"
+    assert got == [0.5, 0.5, 0.5] and c.weight_version() == 1
 
     c.release_memory()  # both weights and KV cache
     with pytest.raises(EngineStateError, match="memory released"):
         c.generate([[5]], [params()])
-    assert "kv_cache" in c.release_memory(["kv_cache"])["message"]  # releasing again is harmless
+    assert "kv_cache" in c.release_memory([MemoryTag.KV_CACHE])["message"]  # releasing again is harmless
+    with pytest.raises(EngineError, match="unknown memory tag"):
+        c.checked("/release_memory_occupation", {"tags": ["gpu"]})
     c.resume_memory()
     with pytest.raises(EngineStateError, match="send a complete update"):
         c.generate([[5]], [params()])
     c.update_weights_from_tensor(list(original.items()), version=2)
     after = c.generate([[5, 6, 7]], [params(6)])[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
-    assert after.weight_version == "2"
+    assert after.weight_version == 2
 
 
 def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory):
@@ -131,8 +138,8 @@ def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_
     items = list(model.state_dict().items())
     first, rest = items[: len(items) // 2], items[len(items) // 2:]
     c.release_memory()
-    c.resume_memory(["weights"])
-    c.resume_memory(["kv_cache"])
+    c.resume_memory([MemoryTag.WEIGHTS])
+    c.resume_memory([MemoryTag.KV_CACHE])
     c.update_weights_from_tensor(first)  # a bucket without a version
     with pytest.raises(EngineStateError, match="have not been written"):
         c.generate([[5]], [params()])
@@ -155,9 +162,10 @@ def test_tensor_update_refuses_anything_but_tensors(dense_dir, engine_factory):
         c.checked("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
     with pytest.raises(EngineError, match="unknown parameter"):
         c.update_weights_from_tensor([("model.no_such.weight", torch.zeros(2))], version=5)
-    assert c.weight_version() == "0"
+    assert c.weight_version() == 0
 
 
+@pytest.mark.slow
 def test_supervisor_restarts_a_dead_server_and_publishes_its_new_address(dense_dir, tmp_path):
     """The SGLang supervisor's loop, run over the built-in engine (same protocol, same /health)."""
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
@@ -175,13 +183,13 @@ def test_supervisor_restarts_a_dead_server_and_publishes_its_new_address(dense_d
     errors = []
     t = threading.Thread(target=lambda: _run(sup, errors), daemon=True)
     t.start()
-    path = rdzv.engine_file(run_dir, 0)
+    path = RunDir(run_dir).engine_file(0)
     assert wait_until(lambda: os.path.exists(path), timeout=120)
-    first = rdzv.read_json(path)
+    first = read_json(path)
     assert EngineClient(first["url"]).generate([[5]], [params(2)])[0].output_ids
     os.kill(first["pid"], signal.SIGKILL)
-    assert wait_until(lambda: rdzv.read_json(path)["url"] != first["url"], timeout=120)
-    second = rdzv.read_json(path)
+    assert wait_until(lambda: read_json(path)["url"] != first["url"], timeout=120)
+    second = read_json(path)
     assert second["restarts"] == 1 and EngineClient(second["url"]).health()
     os.kill(second["pid"], signal.SIGKILL)  # no restarts left: the engine component fails, named
     t.join(120)
@@ -196,6 +204,7 @@ def _run(sup, errors):
         errors.append(e)
 
 
+@pytest.mark.slow
 def test_run_through_sglang_router_with_colocated_engines_matches_a_plain_run(tmp_path, contract_env):
     """A whole job with the router in front of two engines that give their memory back while the trainer
     trains: the same final weights, bit for bit, as the plain run (true on-policy makes results
@@ -210,8 +219,8 @@ def test_run_through_sglang_router_with_colocated_engines_matches_a_plain_run(tm
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", *SMALL, *common, "engine.router=sglang_router",
                    "engine.router_policy=round_robin", "engine.colocated=true")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert weights_equal(f"{tmp_path}/ref/hf", f"{run}/hf")
-    assert os.path.exists(run / "logs" / "router_0.log")
+    assert weights_equal(RunDir(tmp_path / "ref").hf_export, RunDir(run).hf_export)
+    assert os.path.exists(RunDir(run).log_file("router_0"))
     for i in range(2):  # each engine gave its memory back once per step, and took it back for the update
-        text = open(run / "logs" / f"engine_{i}.log").read()
+        text = open(RunDir(run).log_file(f"engine_{i}")).read()
         assert text.count("memory released: kv_cache, weights") == 4, text[-2000:]

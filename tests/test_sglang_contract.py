@@ -32,6 +32,7 @@ from pipeline.rollout.router import router_argv
 from pipeline.rollout.sglang_server import server_argv
 
 CONTRACT_ENV = os.path.join(REPO, ".venv", "sglang-contract")
+pytestmark = pytest.mark.slow  # each test imports SGLang's own code in a subprocess
 
 
 def contract(check: str, data) -> object:
@@ -146,7 +147,7 @@ def test_request_bodies_and_endpoints_match_sglang():
         "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_body(bucket, "g", 3),
         "UpdateWeightsFromTensorReqInput": protocol.update_tensor_body(bucket, tp_size=2, version=3),
         "UpdateWeightFromDiskReqInput": protocol.update_disk_body("/ckpt/hf", 3),
-        "ReleaseMemoryOccupationReqInput": protocol.memory_body(["kv_cache"]),
+        "ReleaseMemoryOccupationReqInput": protocol.memory_body([protocol.MemoryTag.KV_CACHE]),
         "ResumeMemoryOccupationReqInput": protocol.memory_body(None),
         "AbortReq": protocol.abort_body(),
     }

@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.launch.slurm.templates import reference_scripts
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 from conftest import REPO, wait_until
 
@@ -80,8 +81,8 @@ def test_hetjob_script_shape():
 def test_dry_run_writes_the_exact_script(tmp_path):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", "--dry-run")
     assert res.returncode == 0, res.stderr
-    path = tmp_path / "run" / "slurm" / "hetjob.sbatch"
-    script = path.read_text()
+    path = RunDir(tmp_path / "run").sbatch_file("hetjob")
+    script = open(path).read()
     assert res.stdout.startswith(f"# {path}") and script in res.stdout
     expected = reference_scripts()["hetjob.sbatch"].replace("/lustre/scratch/lockstep/runs/example", str(tmp_path / "run"))
     expected = expected.replace("python3 -u -m pipeline.launch.slurm.driver", f"{sys.executable} -u -m pipeline.launch.slurm.driver")
@@ -102,7 +103,7 @@ def test_bad_requests_refused_before_submission(tmp_path, overrides, fragment):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", *overrides)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert fragment in res.stderr
-    assert not os.path.exists(tmp_path / "run" / "slurm")  # nothing submitted, nothing written
+    assert not os.path.exists(RunDir(tmp_path / "run").slurm_dir)  # nothing submitted, nothing written
 
 
 def test_bad_profile_file_refused(tmp_path):
@@ -117,6 +118,8 @@ def test_bad_profile_file_refused(tmp_path):
 LOCAL = ["configs/tiny-slurm-local.yaml", "logging.progress=false"]
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_hetjob_grpo_run_learns(slurm, tmp_path):
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=50", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -132,36 +135,40 @@ def test_hetjob_grpo_run_learns(slurm, tmp_path):
     assert rows[0][2] != rows[1][2]  # trainer and rollout components on different nodes
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_failed_component_ends_the_job(slurm, tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
                           "num_rollout=500", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 2, timeout=180)
-    engine = json.load(open(run_dir / "rendezvous" / "engine_0.json"))
+    engine = json.load(open(RunDir(run_dir).engine_file(0)))
     os.kill(engine["pid"], 9)
     out, err = p.communicate(timeout=180)
     assert p.returncode == 1, err[-2000:]
     assert "srun_engines" in err or "engine" in err
-    failed = json.load(open(run_dir / "control" / "FAILED"))
+    failed = RunDir(run_dir).failure()
     assert failed["component"] == "srun_engines"
     job = err.split("submitted ")[1].split()[0]
     assert wait_until(lambda: "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
                                                                 text=True).stdout, timeout=60)  # allocation released
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
                           "num_rollout=30", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 5, timeout=180)
-    job = json.load(open(run_dir / "rendezvous" / "trainer.json"))["job"]
+    job = json.load(open(RunDir(run_dir).trainer_file))["job"]
     subprocess.run(["scancel", "-s", "USR2", "-b", job], check=True)  # what Slurm sends at pre-emption / time limit
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
     records = read_metrics(str(run_dir))
     assert [r["step"] for r in records] == list(range(30))
-    ckpt = json.load(open(run_dir / "control" / "CHECKPOINT_DONE")) if os.path.exists(run_dir / "control" / "CHECKPOINT_DONE") else None
-    trainer_log = (run_dir / "logs" / "trainer_0.log").read_text()
+    ckpt = json.load(open(RunDir(run_dir).checkpoint_done_file)) if RunDir(run_dir).checkpoint_done() else None
+    trainer_log = open(RunDir(run_dir).log_file("trainer_0")).read()
     assert "checkpointed at step" in trainer_log and "resumed from checkpoint step" in trainer_log
     del ckpt
     requeued = subprocess.run(["sacct", "-j", job, "-D", "-X", "-n", "-o", "State", "--parsable2"], capture_output=True,
@@ -169,6 +176,8 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "REQUEUED" in requeued and requeued[-1] == "COMPLETED", requeued
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_paired_jobs_find_each_other(slurm, tmp_path):
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=8", "slurm.mode=paired", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -176,6 +185,8 @@ def test_paired_jobs_find_each_other(slurm, tmp_path):
     assert res.stderr.count("job ") >= 2
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_colocated_job(slurm, tmp_path):
     """One component runs trainer and engine on one node; weights go as shared-memory handles (weights.type=tensor)."""
     res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=6", "slurm.mode=colocated",
@@ -184,6 +195,8 @@ def test_colocated_job(slurm, tmp_path):
     assert len(read_metrics(f"{tmp_path}/run")) == 6
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_nightly_matrix_job_array_and_report(slurm, tmp_path):
     matrix = tmp_path / "matrix.yaml"
     matrix.write_text(f"""base: configs/tiny-slurm-local.yaml

@@ -17,6 +17,7 @@ from pipeline.models.mtp import mtp_inputs
 from pipeline.rollout.client import EngineClient
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.rollout.engine.speculative import accepted_prefix
+from pipeline.run import RunDir
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,8 @@ def distill_head(model, prompts, steps: int = 150) -> float:
     """Train the MTP head alone on the target's own greedy continuations; returns the final loss."""
     seqs = [r.input_ids + r.output_ids for r in generate(engine_for(model, 0, max_running=16), prompts,
                                                          [SamplingParams(max_new_tokens=24, temperature=0.0,
-                                                                         ignore_eos=True)] * len(prompts))]
+                                                                         ignore_eos=True, sampling_seed=0)]
+                                                         * len(prompts))]
     ctx = PackedCausal.from_lengths([len(s) for s in seqs])
     ids = torch.tensor([t for s in seqs for t in s])
     score = torch.cat([torch.arange(int(a), int(b) - 1) for a, b in zip(ctx.cu_seqlens[:-1], ctx.cu_seqlens[1:])])
@@ -132,7 +134,7 @@ def test_a_trained_draft_head_is_accepted_and_saves_forwards(mtp_dense_dir):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 40, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
                for _ in range(32)]
-    greedy = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * 8
+    greedy = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, sampling_seed=0)] * 8
 
     def accept_rate():
         e = engine_for(model, 3)
@@ -196,6 +198,7 @@ def test_speculative_config_checks():
         load_config("configs/tiny-mtp.yaml", ["engine.speculative_num_steps=0"])
 
 
+@pytest.mark.slow
 def test_mtp_recipe_rollouts_are_unchanged_by_speculative_decoding(tmp_path):
     """The tiny-mtp recipe with and without speculative decoding: the same rewards, losses and head
     losses step for step (true on-policy: the run itself checks trainer == engine logprobs), and
@@ -218,4 +221,4 @@ def test_mtp_recipe_rollouts_are_unchanged_by_speculative_decoding(tmp_path):
     assert all(r["rollout/spec_accept_length"] >= 1.0 for r in with_spec)
     assert "rollout/spec_accept_length" not in without[0]
     assert with_spec[-1]["train/mtp_loss"] < with_spec[0]["train/mtp_loss"]  # the head learns
-    assert "mtp.fc.weight" in read_state_dict(f"{tmp_path}/NEXTN/hf")
+    assert "mtp.fc.weight" in read_state_dict(RunDir(tmp_path / "NEXTN").hf_export)

@@ -1,4 +1,4 @@
-"""Blockwise FP8 quantisation in Triton (same bits as lockstep_kernels/fp8.py's torch reference).
+"""Blockwise FP8 quantisation in Triton (same bits as lockstep_kernels/fp8_ref.py's torch reference).
 
 `_quant_kernel`: one program per 128 x 128 block: amax over the block, scale_inv = amax / 448 (1 for
 an all-zero block), q = clamp(x / scale_inv, +-448) cast to e4m3 with round-to-nearest-even.
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.fp8 import E4M3_MAX, FP8, num_blocks
+from lockstep_kernels.fp8_ref import E4M3_MAX, FP8, num_blocks
 from lockstep_kernels.gpu.offsets import offset64
 
 

@@ -5,7 +5,7 @@ e4m3 cast), `_w8a8_kernel` (tiles of BLOCK_M tokens x BLOCK_N outputs; each 128-
 e4m3 product goes through the tensor cores and is scaled by the token's and the weight block's scales
 in fp32; with SPLIT_K > 1 programs share the k-blocks and add into an fp32 buffer, so decode batches
 of a few tokens still fill the GPU), `fp8_linear` (launcher). Same quantisation as
-lockstep_kernels/fp8.py's reference (which tests compare against).
+lockstep_kernels/fp8_ref.py's reference (which tests compare against).
 Legend: M tokens, K input features, N output features.
 """
 
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.fp8 import BLOCK, E4M3_MAX, FP8, num_blocks, quantize_act_ref
+from lockstep_kernels.fp8_ref import BLOCK, E4M3_MAX, FP8, num_blocks, quantize_act_ref
 from lockstep_kernels.gpu.attention import INTERPRET
 from lockstep_kernels.gpu.offsets import offset64
 

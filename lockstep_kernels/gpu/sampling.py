@@ -9,7 +9,7 @@ The torch path materialises a dozen [B, V]
 int64/fp64 temporaries for the same result (at batch 256 and a 152k vocab, ~0.6 GB of memory traffic
 each). Rows that ask for top-p/top-k take the torch path (it sorts).
 
-On by default on GPUs (LOCKSTEP_FUSED_SAMPLING=0: off). `python tests/triton_checks.py sampling` (part of
+On by default on GPUs (engine.sampling_backend=pytorch: off). `python tests/triton_checks.py sampling` (part of
 bench/gpu_suite.sh checks) compares it token for token with the torch path: equal on the H200 at batch
 1/64/256, vocab 151936, fp32 and bf16, and under the CPU interpreter with a split row.
 """

@@ -5,9 +5,14 @@ tokens that count. `scale_M` carries the reduction: the loss is sum_t loss_t * s
 built by `reduction_scale` from counts over the whole global batch (all ranks, all micro-batches),
 so micro-batches and ranks add up to exactly one token-mean, sample-mean or Dr. GRPO sum.
 Metrics are sums (keys ending in `_sum`); the caller reduces them and divides by the token count.
+The policy loss takes its settings (PolicyLossConfig, built once from the algo config) and one
+micro-batch's tensors (PolicyTokens) as two arguments.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -47,16 +52,68 @@ def sequence_ratio(log_ratio_M: torch.Tensor, mask_M: torch.Tensor, sample_of_M:
     return torch.exp(seq_log_ratio.detach() + log_ratio_M - log_ratio_M.detach()), seq_log_ratio
 
 
-def policy_loss(logp_M, old_logp_M, adv_M, mask_M, scale_M, *, eps_clip: float, eps_clip_high: float | None = None,
-                eps_clip_c: float | None = None, ratio_type: str = "token", sample_of_M=None, num_samples: int = 0,
-                is_weight_M=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy loss's settings: clipping, KL to the reference policy, entropy bonus. Built once
+    per run from the algo section (`from_algo`); the per-micro-batch tensors come in PolicyTokens."""
+
+    eps_clip: float = 0.2
+    """Clip range below 1 (ratio >= 1 - eps_clip)."""
+    eps_clip_high: float | None = None
+    """Clip range above 1; None: eps_clip."""
+    eps_clip_c: float | None = None
+    """Dual clipping: for negative advantages the token loss is at most -A * eps_clip_c; None: off."""
+    ratio_type: Literal["token", "sequence"] = "token"
+    """token: PPO's per-token ratio; sequence: GSPO's per-sample ratio (needs sample_of_M)."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference term (needs ref_logp_M when > 0)."""
+    kl_type: str = "low_var_kl"
+    """KL estimator (kl_estimate's kinds)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (needs entropy_M when > 0)."""
+
+    @classmethod
+    def from_algo(cls, algo) -> PolicyLossConfig:
+        """From a pipeline.config.schema.AlgoConfig: GSPO takes the sequence-level ratio."""
+        return cls(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, eps_clip_c=algo.eps_clip_c,
+                   ratio_type="sequence" if algo.advantage_estimator == "gspo" else "token",
+                   kl_coef=algo.kl_loss_coef, kl_type=algo.kl_loss_type, entropy_coef=algo.entropy_coef)
+
+
+@dataclass
+class PolicyTokens:
+    """One micro-batch's per-token inputs of the policy loss, each [M]."""
+
+    logp_M: torch.Tensor
+    """Log-probabilities of the policy being trained (with gradient)."""
+    old_logp_M: torch.Tensor
+    """The ratio's denominator: pre-update (or behaviour) log-probabilities."""
+    adv_M: torch.Tensor
+    mask_M: torch.Tensor
+    """1.0 for tokens that count."""
+    scale_M: torch.Tensor
+    """Per-token weights of the reduction (reduction_scale; 0 where mask_M is)."""
+    ref_logp_M: torch.Tensor | None = None
+    """Reference policy's log-probabilities (KL term)."""
+    entropy_M: torch.Tensor | None = None
+    """Per-token entropy (entropy bonus)."""
+    is_weight_M: torch.Tensor | None = None
+    """Off-policy correction weights (TIS), multiplied into the token loss, detached."""
+    sample_of_M: torch.Tensor | None = None
+    """Micro-batch sample index of each token (GSPO's sequence ratio)."""
+    num_samples: int = 0
+    """Samples in the micro-batch (GSPO's sequence ratio)."""
+
+
+def policy_loss(cfg: PolicyLossConfig, t: PolicyTokens) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clipping [1 - eps_clip, 1 + eps_clip_high], optional dual
     clipping (negative advantages: loss at most -A * eps_clip_c) and GSPO's sequence-level ratio.
     is_weight_M: off-policy correction weights (TIS), detached, multiplied into the token loss."""
-    high = eps_clip if eps_clip_high is None else eps_clip_high
-    log_ratio = logp_M - old_logp_M
-    if ratio_type == "sequence":
-        ratio, _ = sequence_ratio(log_ratio, mask_M, sample_of_M, num_samples)
+    eps_clip, eps_clip_c, adv_M, mask_M = cfg.eps_clip, cfg.eps_clip_c, t.adv_M, t.mask_M
+    high = eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    log_ratio = t.logp_M - t.old_logp_M
+    if cfg.ratio_type == "sequence":
+        ratio, _ = sequence_ratio(log_ratio, mask_M, t.sample_of_M, t.num_samples)
     else:
         ratio = torch.exp(log_ratio)
     pg1 = -adv_M * ratio
@@ -67,9 +124,9 @@ def policy_loss(logp_M, old_logp_M, adv_M, mask_M, scale_M, *, eps_clip: float, 
         pg3 = -adv_M * eps_clip_c
         dual = (adv_M < 0) & (pg_M > pg3)
         pg_M = torch.where(adv_M < 0, torch.minimum(pg_M, pg3), pg_M)
-    if is_weight_M is not None:
-        pg_M = pg_M * is_weight_M.detach()
-    loss = (pg_M * scale_M).sum()
+    if t.is_weight_M is not None:
+        pg_M = pg_M * t.is_weight_M.detach()
+    loss = (pg_M * t.scale_M).sum()
     with torch.no_grad():
         metrics = {
             "pg_loss_sum": (pg_M * mask_M).sum(),
@@ -98,11 +155,9 @@ def off_policy_weights(old_logp_M, rollout_logp_M, mask_M, *, kind: str, cap: fl
     else:
         raise ValueError(f"unknown off-policy correction {kind!r}")
     wm = w * mask
-    n = mask_M.sum().clamp(min=1)
     metrics = {"is_weight_sum": wm.sum(), "is_weight_sq_sum": (wm**2).sum(),
                "is_masked_sum": (mask_M - mask).sum(), "is_truncated_sum": ((ratio > cap).float() * mask_M).sum()
                if kind == "tis" else torch.zeros((), device=ratio.device)}
-    del n
     return w, mask, metrics
 
 
@@ -113,24 +168,16 @@ def value_loss(values_M, old_values_M, returns_M, scale_M, eps_clip_value: float
     return (v_M * scale_M).sum(), {"value_loss_sum": (v_M * (scale_M > 0)).sum().detach()}
 
 
-def grpo_loss(logp_M, old_logp_M, adv_M, mask_M, *, eps_clip: float, eps_clip_high: float | None,
-              normalizer: float | None = None, scale_M=None, ref_logp_M=None, kl_coef: float = 0.0,
-              kl_type: str = "low_var_kl", entropy_M=None, entropy_coef: float = 0.0, eps_clip_c: float | None = None,
-              ratio_type: str = "token", sample_of_M=None, num_samples: int = 0, is_weight_M=None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss(cfg: PolicyLossConfig, t: PolicyTokens) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss + optional KL to a reference policy + optional entropy bonus, one reduction for all."""
-    if scale_M is None:
-        scale_M = mask_M / normalizer
-    loss, metrics = policy_loss(logp_M, old_logp_M, adv_M, mask_M, scale_M, eps_clip=eps_clip,
-                                eps_clip_high=eps_clip_high, eps_clip_c=eps_clip_c, ratio_type=ratio_type,
-                                sample_of_M=sample_of_M, num_samples=num_samples, is_weight_M=is_weight_M)
-    if kl_coef > 0:
-        assert ref_logp_M is not None, "kl_coef > 0 needs reference logprobs"
-        kl_M = kl_estimate(logp_M, ref_logp_M, kl_type)
-        loss = loss + kl_coef * (kl_M * scale_M).sum()
-        metrics["kl_loss_sum"] = (kl_M * mask_M).sum().detach()
-    if entropy_coef > 0:
-        assert entropy_M is not None, "entropy_coef > 0 needs per-token entropy"
-        loss = loss - entropy_coef * (entropy_M * scale_M).sum()
-        metrics["entropy_sum"] = (entropy_M * mask_M).sum().detach()
+    loss, metrics = policy_loss(cfg, t)
+    if cfg.kl_coef > 0:
+        assert t.ref_logp_M is not None, "kl_coef > 0 needs reference logprobs"
+        kl_M = kl_estimate(t.logp_M, t.ref_logp_M, cfg.kl_type)
+        loss = loss + cfg.kl_coef * (kl_M * t.scale_M).sum()
+        metrics["kl_loss_sum"] = (kl_M * t.mask_M).sum().detach()
+    if cfg.entropy_coef > 0:
+        assert t.entropy_M is not None, "entropy_coef > 0 needs per-token entropy"
+        loss = loss - cfg.entropy_coef * (t.entropy_M * t.scale_M).sum()
+        metrics["entropy_sum"] = (t.entropy_M * t.mask_M).sum().detach()
     return loss, metrics

@@ -168,6 +168,6 @@ def select_fresh(batch: RolloutBatch, current_version: int, max_staleness: int) 
 
 def aborted_samples(batch: RolloutBatch) -> np.ndarray:
     """Indices of samples whose generation was aborted (kept in the shard for continuation)."""
-    from pipeline.buffer.schema import STATUS
+    from pipeline.buffer.schema import SampleStatus
 
-    return np.flatnonzero(batch.status == STATUS["aborted"])
+    return np.flatnonzero(batch.status == SampleStatus.ABORTED)

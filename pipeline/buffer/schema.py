@@ -23,13 +23,33 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
 SCHEMA_VERSION = 1
-STATUS = {"completed": 0, "truncated": 1, "aborted": 2, "failed": 3, "deferred": 4}
-TRAINABLE = (0, 1)  # completed and truncated samples are trained on; aborted/deferred wait for their group
-STATUS_NAMES = {v: k for k, v in STATUS.items()}
+
+
+class SampleStatus(IntEnum):
+    """A sample's state; the value is what the shard's `status` column stores (uint8)."""
+
+    COMPLETED = 0  # stopped on a stop token
+    TRUNCATED = 1  # reached the length limit
+    ABORTED = 2  # generation cut off (partial rollout, continued later)
+    FAILED = 3  # the reward function raised
+    DEFERRED = 4  # finished, but its group was aborted: waits for the group (its final status in metadata)
+
+    @property
+    def label(self) -> str:
+        """The lowercase name (metadata's final_status, `lockstep buffer` output)."""
+        return self.name.lower()
+
+    @classmethod
+    def from_label(cls, label: str) -> "SampleStatus":
+        return cls[label.upper()]
+
+
+TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)  # aborted/deferred wait for their group
 
 REQUIRED_COLUMNS = (
     "tokens", "sample_offsets", "prompt_len", "response_len", "loss_mask", "logprobs", "rewards",
@@ -60,7 +80,7 @@ class Sample:
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
     weight_version: int = 0
-    status: str = "completed"
+    status: SampleStatus = SampleStatus.COMPLETED
     metadata: dict = field(default_factory=dict)
     loss_mask: list[int] | None = None
     routed_experts: np.ndarray | None = None  # [len(prompt)+len(response)-1, L, k]
@@ -146,7 +166,7 @@ class RolloutBatch:
             sample_idx=np.array([s.sample_idx for s in samples], dtype=np.int32),
             prompt_idx=np.array([s.prompt_idx for s in samples], dtype=np.int64),
             weight_version=np.array([s.weight_version for s in samples], dtype=np.int64),
-            status=np.array([STATUS[s.status] for s in samples], dtype=np.uint8),
+            status=np.array([int(s.status) for s in samples], dtype=np.uint8),
             metadata=[json.dumps(s.metadata, sort_keys=True) for s in samples],
             reward_components={k: np.array([s.reward_components.get(k, np.nan) for s in samples], dtype=np.float32)
                                for k in comps},

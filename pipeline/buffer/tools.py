@@ -7,12 +7,13 @@ import os
 import numpy as np
 
 from pipeline.buffer.reader import BufferReader, CorruptShardError, read_shard
-from pipeline.buffer.schema import STATUS_NAMES
+from pipeline.buffer.schema import SampleStatus
 from pipeline.buffer.writer import COMMIT_NAME, step_dir
+from pipeline.run import RunDir
 
 
 def buffer_dir_of(run_dir: str) -> str:
-    d = os.path.join(run_dir, "buffer")
+    d = RunDir(run_dir).buffer
     return d if os.path.isdir(d) else run_dir
 
 
@@ -26,8 +27,8 @@ def inspect(run_dir: str) -> str:
         batch = reader.read_step(step, columns=PER_SAMPLE_ONLY)
         nbytes = sum(p["bytes"] for p in commit["parts"])
         total_bytes += nbytes
-        counts = np.bincount(batch.status, minlength=4)
-        status = " ".join(f"{STATUS_NAMES[i][0]}{c}" for i, c in enumerate(counts) if c)
+        counts = np.bincount(batch.status, minlength=len(SampleStatus))
+        status = " ".join(f"{SampleStatus(i).label[0]}{c}" for i, c in enumerate(counts) if c)
         v = batch.weight_version
         rows.append((str(step), str(len(commit["parts"])), str(len(batch)), str(commit["num_tokens"]),
                      f"{batch.rewards.mean():.3f}", f"{batch.response_len.mean():.1f}",
@@ -37,7 +38,7 @@ def inspect(run_dir: str) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(f"{len(rows) - 1} committed steps, {total_bytes / 1e6:.2f} MB"
                  + (f"; uncommitted (ignored by readers): {pending}" if pending else ""))
-    lines.append("status: c=completed t=truncated a=aborted f=failed")
+    lines.append("status: " + " ".join(f"{s.label[0]}={s.label}" for s in SampleStatus))
     return "\n".join(lines)
 
 

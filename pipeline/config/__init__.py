@@ -1,17 +1,15 @@
-"""Run configuration: typed sections (schema.py) and strict loading with overrides (core.py)."""
+"""Run configuration: typed sections (schema.py), strict loading with overrides (core.py), checks against
+the model's shape (validate.py)."""
 
 from __future__ import annotations
-
-import os
 
 import yaml
 
 from pipeline.config.core import apply_overrides, from_dict, load_yaml, to_dict
 from pipeline.config.schema import RunConfig
+from pipeline.run import RunDir
 
-__all__ = ["RunConfig", "load_config", "config_from_dict", "dump_config", "RESOLVED_NAME"]
-
-RESOLVED_NAME = "config.yaml"
+__all__ = ["RunConfig", "load_config", "config_from_dict", "dump_config", "load_resolved"]
 
 
 def config_from_dict(data: dict, overrides: list[str] | None = None) -> RunConfig:
@@ -30,4 +28,4 @@ def dump_config(cfg: RunConfig) -> str:
 
 def load_resolved(run_dir: str) -> RunConfig:
     """The config a launcher wrote into the run directory (what every component reads)."""
-    return load_config(os.path.join(run_dir, RESOLVED_NAME))
+    return load_config(RunDir(run_dir).config)

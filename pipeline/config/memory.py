@@ -58,8 +58,11 @@ LOGIT_COPIES = 2
 backward (TokenLogprob) and their gradient. bench/results/h200/logprob.json: the fused kernel's peak
 above the logits is exactly that gradient (1.25 GB at 4096 tokens)."""
 ENTROPY_BYTES = 16
-"""Per scored token and vocabulary row when algo.entropy_coef > 0: models/logprobs.entropy materialises
-fp32 scaled logits, log-softmax, its exp and their product."""
+"""Per row of one entropy chunk (models/logprobs.ENTROPY_CHUNK_ROWS) and vocabulary entry when
+algo.entropy_coef > 0: fp32 scaled logits, log-softmax, its exp and their product, recomputed chunk by
+chunk in backward; the whole micro-batch adds one more model.dtype gradient of the logits (the two
+losses' gradients are summed)."""
+ENTROPY_CHUNK_ROWS = 1024
 FSDP_PREFETCH_LAYERS = 2
 """Decoder layers whose full model.dtype parameters are gathered at once: the one computing and the
 one FSDP2 prefetches. The root's (embedding, final norm, LM head) stay gathered from forward to
@@ -307,10 +310,10 @@ def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
         k = a.num_experts_per_tok
         # the router: fp32 softmax, top-k ids (int64), the chosen fp32 weights and their sum (norm_topk)
         router = ROUTER_PROB_BYTES * a.num_experts + 8 * k + 4 * k + 4
-        # per (token, expert) pair (SparseMoeBlock.forward): the token and slot ids (int64), the routing
-        # weight, the gathered input, gate / silu / up / product, the expert's output and the weighted
-        # one (index_add keeps its source)
-        pair = 16 + c + c * h + 4 * c * a.moe_intermediate_size + 2 * c * h
+        # per (token, expert) pair (qwen3.run_experts): the gather's and the placement's token ids and the
+        # grouping order (int64), the routing weight, the gathered input, gate / silu / up / product, the
+        # expert's output and the weighted one
+        pair = 24 + c + c * h + 4 * c * a.moe_intermediate_size + 2 * c * h
         mlp = norm + router + k * pair
     else:
         mlp = norm + 4 * c * a.intermediate_size  # gate (silu's input), silu's output, up, their product
@@ -351,8 +354,10 @@ def trainer_memory(a: ModelArgs, cfg: RunConfig) -> TrainerMemory:
     if mtp:
         acts += layer_activation_bytes(a, a.num_hidden_layers if a.is_mla else 0, c)
     acts *= n * act_share * (2 if critic else 1)  # PPO: the critic's graph is alive beside the policy's
-    per_vocab = LOGIT_COPIES * c * (2 if mtp else 1) + (ENTROPY_BYTES if algo.entropy_coef > 0 else 0)
-    logits = n * a.vocab_size * per_vocab / (t.tensor_model_parallel_size if t.backend == "megatron" else 1)
+    entropy = algo.entropy_coef > 0
+    per_vocab = LOGIT_COPIES * c * (2 if mtp else 1) + (c if entropy else 0)
+    logits = (n * per_vocab + (ENTROPY_BYTES * min(n, ENTROPY_CHUNK_ROWS) if entropy else 0)) * a.vocab_size
+    logits /= t.tensor_model_parallel_size if t.backend == "megatron" else 1
 
     layer_total = max(d + e for d, e in layers)
     buffers = (FSDP_PREFETCH_LAYERS * c + c + FSDP_GRAD_BYTES_EXTRA) * layer_total

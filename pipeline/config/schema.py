@@ -3,11 +3,13 @@
 Names follow Miles/slime where the concept exists there (rollout_batch_size, n_samples_per_prompt,
 global_batch_size, rollout_max_response_len, max_tokens_per_gpu, eps_clip, kl_loss_coef, ...), so a
 Miles command line translates key for key. Each section checks itself in `__post_init__`; checks that
-span sections live in `RunConfig.__post_init__`. Every error names the fix.
+span sections live in `RunConfig.__post_init__`; checks that need the model's shape live in
+validate.py. Every error names the fix.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +49,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.mtp_num_layers not in (0, 1):
             raise ConfigError(f"model.mtp_num_layers must be 0 or 1 (got {self.mtp_num_layers})")
+        if self.path is not None and not str(self.path).strip():
+            raise ConfigError("model.path is empty: give a Hugging Face checkpoint directory, or leave it unset"
+                              " (null) to start from model.init")
 
 
 @dataclass
@@ -203,6 +208,18 @@ class LocalEngineConfig(EngineCommon):
     MI300), a dequantising torch reference elsewhere (correct, slow). With weights.quantization=fp8
     the sync's FP8 pairs are kept as sent; otherwise each update is quantised on arrival. SGLang's
     --quantization fp8 for the built-in engine."""
+    overlap_schedule: bool = False
+    """Overlapped decode (SGLang's overlap scheduler; server flag --enable-overlap-schedule): step t+1 is
+    launched from step t's sampled tokens still on the device while the host reads step t back (appends,
+    finish checks). The same tokens and logprobs as step-by-step decode; plain decode only (not with
+    speculative decoding or routing records, which run step by step). Off by default: on the H200 its
+    first version ran at 0.67-1.06x of step-by-step decode; the pinned copies since then have not been
+    measured on a GPU yet (BENCHMARKS.md, bench/engine_bench.py --overlap)."""
+    sampling_backend: Literal["triton", "pytorch"] = "triton"
+    """How a GPU engine samples (SGLang --sampling-backend; there flashinfer | pytorch): triton = one fused
+    Triton pass over the logits for batches without top-p/top-k (1.2-2.2x decode at batch 64-256 on the
+    H200, bench/engine_bench.py --fused-sampling); pytorch = the torch path. Both give the same tokens;
+    CPUs always take the torch path."""
 
 
 @dataclass
@@ -352,6 +369,13 @@ class TrainConfig:
                     self.pipeline_model_parallel_size, self.sequence_parallel)
         if self.backend == "fsdp" and parallel != (1, 1, 1, False):
             raise ConfigError("tensor/expert/pipeline/sequence parallelism are megatron options: set train.backend=megatron")
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if self.num_gpus % mp:
+            raise ConfigError(f"train.num_gpus ({self.num_gpus}) must be divisible by train.tensor_model_parallel_size x"
+                              f" train.pipeline_model_parallel_size ({mp})")
+        if (self.num_gpus // mp) % self.expert_model_parallel_size:
+            raise ConfigError(f"train.expert_model_parallel_size ({self.expert_model_parallel_size}) must divide the data"
+                              f" parallel size num_gpus / (tensor x pipeline model parallel size) ({self.num_gpus // mp})")
         if self.mtp_loss_scaling_factor < 0:
             raise ConfigError(f"train.mtp_loss_scaling_factor must be >= 0 (got {self.mtp_loss_scaling_factor})")
         if self.clip_grad < 0:
@@ -467,6 +491,10 @@ class DeterminismConfig:
     """R3: engines record each token's experts, the trainer's MoE routers replay them (MoE models only)."""
     record_routing: bool = True
     """MoE models: engines return routed experts even without R3, so the routing mismatch is measured."""
+    kernel_backend: Literal["auto", "torch"] = "auto"
+    """Kernels of the model code in built-in engines and trainers alike (lockstep_kernels): auto = the
+    Triton kernels on GPUs (CUDA and ROCm) and the torch paths on CPUs; torch = the torch paths on GPUs
+    too (slower: for a GPU where Triton is missing or suspect). Engine flag --kernel-backend."""
 
 
 @dataclass
@@ -512,11 +540,46 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False
+    """Log every step's metrics (the keys of metrics.jsonl) and the resolved config to Weights & Biases
+    (Miles: --use-wandb). Needs `pip install lockstep[tracking]`."""
+    project: str = "lockstep"
+    """W&B project (Miles: --wandb-project)."""
+    group: str | None = None
+    """W&B run group, e.g. one per sweep (Miles: --wandb-group)."""
+    name: str | None = None
+    """The run's display name; null: the run directory's name."""
+    entity: str | None = None
+    """W&B team or user (Miles: --wandb-team); null: the API key's default entity."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: write run_dir/wandb/ only, no network (upload later: `wandb sync run_dir/wandb/offline-run-*`);
+    online: stream to the W&B server (WANDB_API_KEY or `wandb login` on the trainer's node)."""
+
+
+@dataclass
 class LoggingConfig:
     progress: bool = True
     """Show a progress bar on the terminal while the run goes."""
     plot: bool = True
     """Write run_dir/reward.png at the end."""
+    tensorboard: bool = False
+    """Also write every step's metrics as TensorBoard event files under run_dir/tensorboard/ (Miles:
+    --use-tensorboard). Needs `pip install lockstep[tracking]`."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases."""
+    miles_aliases: bool = True
+    """TensorBoard and W&B also get Miles' names for the metrics Miles logs too
+    (train/train_rollout_logprob_abs_diff beside train/rollout_logprob_abs_diff, ...: README table);
+    metrics.jsonl keeps Lockstep's names only."""
+
+    def __post_init__(self):
+        # find_spec does not import: the check stays instant. A sink that is on needs its package.
+        for on, option, package in ((self.tensorboard, "logging.tensorboard", "tensorboard"),
+                                    (self.wandb.enabled, "logging.wandb.enabled", "wandb")):
+            if on and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{option}=true needs the {package} package, which is not installed:"
+                                  " pip install lockstep[tracking] (or set it to false)")
 
 
 @dataclass
@@ -570,6 +633,10 @@ class SlurmConfig:
 
     def __post_init__(self):
         _positive("slurm", time_min=self.time_min, signal_delay_s=self.signal_delay_s)
+
+
+GROUP_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the other responses to the same prompt."""
 
 
 @dataclass
@@ -642,12 +709,23 @@ class RunConfig:
             raise ConfigError("engine.quantization=fp8 and determinism.true_on_policy exclude each other: an FP8"
                               " engine computes other numbers than the trainer by design (use TIS instead)")
         if t.backend == "megatron":
-            from pipeline.trainer.megatron.backend import check_config
-
-            check_config(self)
+            refuse = {
+                "model.mtp_num_layers": self.model.mtp_num_layers > 0,
+                "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
+                " across ranks, in an order the engine does not)":
+                    self.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
+            }
+            bad = [k for k, v in refuse.items() if v]
+            if bad:
+                raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)} yet: use train.backend=fsdp")
         if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
             raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
                               " MTP head: set model.mtp_num_layers=1")
+        if r.n_samples_per_prompt < 2 and self.algo.advantage_estimator in GROUP_ESTIMATORS:
+            raise ConfigError(
+                f"algo.advantage_estimator={self.algo.advantage_estimator} compares each response with the others"
+                f" of its prompt, and rollout.n_samples_per_prompt=1 leaves none (every advantage 0): sample"
+                " several responses per prompt (e.g. 8), or use ppo / reinforce_plus_plus")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")

@@ -3,7 +3,8 @@
   python -m pipeline.launch.component engine  --run-dir D --index I   (built-in engine, or SGLang's supervised)
   python -m pipeline.launch.component rollout --run-dir D [--rank R --num-producers P]
   python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...)
-Each reads the resolved config the launcher wrote to D/config.yaml.
+Each reads the resolved config the launcher wrote into D, and finds the others (and the run's token)
+through D (pipeline.run.RunDir).
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ import os
 import signal
 import sys
 
-from pipeline.launch.net import bind_address
+from pipeline.run import RunDir, bind_address, free_port
 
 
 def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
-    """Arguments of the built-in engine server for engine `index` of this run."""
-    from pipeline.launch import rendezvous as rdzv
-    from pipeline.launch.layout import RunLayout
-    from pipeline.observability.startup import startup_file
-
+    """Arguments of the built-in engine server for engine `index` of this run (run in this process,
+    so the token on it is on no process's command line)."""
+    rundir = RunDir(run_dir)
     e = cfg.engine
     context = cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len
     argv = [
-        "--model-path", RunLayout(run_dir).model_dir(cfg),
+        "--model-path", rundir.model_dir(cfg),
         "--host", os.environ.get("LOCKSTEP_ENGINE_HOST") or bind_address(default=e.host),
         "--port", "0",
         "--max-running-requests", str(e.max_running_requests),
@@ -34,11 +33,17 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
         "--dtype", cfg.model.dtype,
         "--device", e.device,
         "--num-threads", str(e.num_threads),
-        "--ready-file", rdzv.engine_file(run_dir, index),
-        "--startup-file", startup_file(run_dir, f"engine_{index}"),
+        "--ready-file", rundir.engine_file(index),
+        "--startup-file", rundir.startup_file(f"engine_{index}"),
     ]
+    token = rundir.token()
+    if token:
+        argv += ["--api-key", token]
     if cfg.determinism.true_on_policy:
         argv.append("--true-on-policy")
+    argv += ["--kernel-backend", cfg.determinism.kernel_backend, "--sampling-backend", e.sampling_backend]
+    if e.overlap_schedule:
+        argv.append("--enable-overlap-schedule")
     argv += ["--mtp-num-layers", str(cfg.model.mtp_num_layers)]
     if e.speculative_algorithm:
         argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(e.speculative_num_steps)]
@@ -55,17 +60,15 @@ def trainer_env_from_slurm(run_dir: str) -> None:
     """Under srun: torchrun-style variables from SLURM_*; rank 0 publishes the rendezvous address."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
-    from pipeline.launch import rendezvous as rdzv
-
+    rundir = RunDir(run_dir)
     rank = int(os.environ["SLURM_PROCID"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=os.environ["SLURM_NTASKS"],
                       LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"),
                       LOCAL_WORLD_SIZE=os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
-    path = os.path.join(rdzv.rdzv_dir(run_dir), "trainer.json")
     if rank == 0:
         host = bind_address()
-        rdzv.publish(path, {"master_addr": host, "master_port": rdzv.free_port(host), "job": os.environ.get("SLURM_JOB_ID")})
-    info = rdzv.wait_for(path, timeout_s=600)
+        rundir.publish_trainer({"master_addr": host, "master_port": free_port(host), "job": os.environ.get("SLURM_JOB_ID")})
+    info = rundir.wait_trainer(timeout_s=600)
     os.environ.update(MASTER_ADDR=info["master_addr"], MASTER_PORT=str(info["master_port"]))
     os.environ.setdefault("LOCKSTEP_WEIGHTS_HOST", info["master_addr"])
 
@@ -84,12 +87,6 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s {args.role} %(name)s %(levelname)s %(message)s")
     from pipeline.config import load_resolved
-    from pipeline.launch.layout import RunLayout
-
-    token_path = RunLayout(args.run_dir).token
-    if os.path.exists(token_path) and "LOCKSTEP_API_KEY" not in os.environ:
-        with open(token_path) as f:
-            os.environ["LOCKSTEP_API_KEY"] = f.read().strip()  # every engine request carries it
 
     if args.role == "engine":
         cfg = load_resolved(args.run_dir)
@@ -108,8 +105,6 @@ def main(argv=None) -> None:
 
         manager.main(args.run_dir, args.rank, args.num_producers)
     else:
-        from pipeline.config import load_resolved
-
         if load_resolved(args.run_dir).train.expandable_segments:  # read by torch's allocator at its first use
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         from pipeline.trainer import loop

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 from pipeline.config.schema import RunConfig
 from pipeline.errors import ComponentFailed
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
 from pipeline.observability.metrics import read_metrics
 from pipeline.observability.report import ProgressBar
+from pipeline.run import RunDir, free_port
 from pipeline.utils.proc import die_with_parent
 
 log = logging.getLogger("lockstep.launch")
@@ -49,8 +48,8 @@ class Proc:
 class Supervisor:
     """Starts components, watches them, and ends them all when one fails or the run is over."""
 
-    def __init__(self, layout: RunLayout, env: dict | None = None):
-        self.layout = layout
+    def __init__(self, rundir: RunDir, env: dict | None = None):
+        self.rundir = rundir
         self.env = dict(os.environ, **(env or {}))
         self.procs: list[Proc] = []
         self.stopping = False
@@ -61,12 +60,12 @@ class Supervisor:
 
     def start_command(self, name: str, cmd: list[str], env: dict | None = None, required: bool = True,
                       restarts: int = 0) -> Proc:
-        proc = Proc(name, self._spawn(name, cmd, env), self.layout.log_file(name), required, cmd, env, restarts)
+        proc = Proc(name, self._spawn(name, cmd, env), self.rundir.log_file(name), required, cmd, env, restarts)
         self.procs.append(proc)
         return proc
 
     def _spawn(self, name: str, cmd: list[str], env: dict | None) -> subprocess.Popen:
-        logf = open(self.layout.log_file(name), "ab")
+        logf = open(self.rundir.log_file(name), "ab")
         try:
             return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=dict(self.env, **(env or {})),
                                     start_new_session=True, preexec_fn=die_with_parent)
@@ -125,30 +124,29 @@ def trainer_env(rank: int, world: int, port: int) -> dict:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def run_local(cfg: RunConfig, layout: RunLayout, progress: bool = True) -> None:
+def run_local(cfg: RunConfig, rundir: RunDir, progress: bool = True) -> None:
     """Run the job to the end; raises ComponentFailed if a component fails."""
-    sup = Supervisor(layout)
+    sup = Supervisor(rundir)
     bar = ProgressBar(cfg.num_rollout, enabled=progress and cfg.logging.progress)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel / kill: stop children, then exit
     try:
         # Everything starts at once: engines load and capture graphs while the trainer loads and shards;
         # the rollout manager and the trainer wait for the engines' addresses themselves.
         for i in range(cfg.engine.num_engines):
-            sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", layout.root, "--index", str(i)),
+            sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", rundir.root, "--index", str(i)),
                               restarts=cfg.engine.max_restarts if cfg.engine.type == "local" else 0)
-        sup.start("rollout", ["rollout", "--run-dir", layout.root])
-        port = rdzv.free_port()
-        rdzv.publish(os.path.join(rdzv.rdzv_dir(layout.root), "trainer.json"),
-                     {"master_addr": "127.0.0.1", "master_port": port})
+        sup.start("rollout", ["rollout", "--run-dir", rundir.root])
+        port = free_port()
+        rundir.publish_trainer({"master_addr": "127.0.0.1", "master_port": port})
         world = cfg.train.num_gpus
-        trainers = [sup.start(f"trainer_{r}", ["trainer", "--run-dir", layout.root], env=trainer_env(r, world, port))
+        trainers = [sup.start(f"trainer_{r}", ["trainer", "--run-dir", rundir.root], env=trainer_env(r, world, port))
                     for r in range(world)]
         while any(t.popen.poll() is None for t in trainers):
             sup.check()
-            bar.update(read_metrics(layout.root))
+            bar.update(read_metrics(rundir.root))
             time.sleep(0.25)
         sup.check()
-        bar.update(read_metrics(layout.root))
+        bar.update(read_metrics(rundir.root))
     except KeyboardInterrupt:
         log.warning("interrupted: stopping all components")
         raise

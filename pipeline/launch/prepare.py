@@ -1,7 +1,8 @@
 """Turn a loaded config into a ready run directory (shared by `lockstep run` and `lockstep submit`).
 
 Resolves paths to absolute ones (components may start in another working directory, on another
-node), checks inputs before anything is launched (files, and whether the run fits the GPUs' memory),
+node), checks inputs before anything is launched (files, the config against the model's shape:
+pipeline/config/validate.py, and whether the run fits the GPUs' memory),
 creates the starting model when none is given, and writes the resolved config every component reads.
 """
 
@@ -12,13 +13,12 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 
-from pipeline.config import RESOLVED_NAME, dump_config
+from pipeline.config import dump_config
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError, storage_error
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
-from pipeline.observability.startup import startup_dir
+from pipeline.run import RunDir
 from pipeline.utils.fs import atomic_write_bytes
 
 log = logging.getLogger("lockstep.launch")
@@ -33,38 +33,61 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
 
 
 def check_inputs(cfg: RunConfig) -> None:
+    """Everything a user brings, checked before anything starts: the checkpoint directory, its tokenizer
+    against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    from pipeline.config.memory import model_args
+    from pipeline.config.validate import validate
+
+    vocab = None
     if cfg.model.path:
         if not os.path.isdir(cfg.model.path):
             raise UserError(f"model.path {cfg.model.path!r} is not a directory: point it at a Hugging Face checkpoint")
         from pipeline.models.hf_io import read_model_args
 
         args = read_model_args(cfg.model.path)
-        args.check_context_length(cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len,
-                                  "data.max_prompt_len + rollout.rollout_max_response_len")
-        if cfg.train.backend == "megatron":
-            from pipeline.trainer.megatron.model import check_model
-
-            check_model(args)
+        validate(cfg, args)
+        check_weights_present(cfg.model.path)
         if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
             raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
-    with open(cfg.data.prompt_data) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                import json
+        vocab = args.vocab_size
+    else:
+        validate(cfg, model_args(cfg))  # the model.init preset's shape
+    check_data(cfg, vocab)
 
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise UserError(f"{cfg.data.prompt_data}:{lineno}: not valid JSON") from None
-                if not isinstance(row, dict) or cfg.data.input_key not in row:
-                    raise UserError(
-                        f"{cfg.data.prompt_data}:{lineno}: no {cfg.data.input_key!r} field"
-                        f" (set data.input_key to the field that holds the prompt)")
-                break
-        else:
-            raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} is empty")
+
+def check_weights_present(model_dir: str) -> None:
+    names = os.listdir(model_dir)
+    if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
+        return
+    legacy = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
+    fix = (f"it has {legacy[0]}: save it as safetensors (transformers: model.save_pretrained(dir))" if legacy
+           else "the directory has config.json but no weight files (an interrupted download?)")
+    raise UserError(f"model.path {model_dir!r} has no *.safetensors weights: {fix}")
+
+
+def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
+    """Parse and tokenize every prompt row as the rollout manager will: data.on_bad_row=error stops here
+    in one line; skipped rows are reported once (count per reason, first lines)."""
+    import tempfile
+
+    from pipeline.models.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from pipeline.rollout.data import PromptDataset
+
+    if cfg.model.path:
+        tok = load_tokenizer(cfg.model.path)
+    else:
+        with tempfile.TemporaryDirectory() as d:  # model.init's tokenizer (written with the model later)
+            tok = build_tiny_tokenizer(d)
+    if model_vocab is not None and tok.vocab_size > model_vocab:
+        raise UserError(f"model.path {cfg.model.path!r}: the tokenizer has {tok.vocab_size} tokens but the model's"
+                        f" embedding only {model_vocab} rows: they do not belong together")
+    stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
+    if stats.skipped:
+        print(f"lockstep: {stats.report()}", file=sys.stderr)
+    else:
+        log.info("lockstep: %s", stats.report())
 
 
 def check_memory(cfg: RunConfig, profile=None) -> None:
@@ -121,9 +144,9 @@ def _detected_gpu_gib() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / (1 << 30)
 
 
-def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
+def make_initial_model(cfg: RunConfig, rundir: RunDir) -> None:
     """Write a randomly initialised HF checkpoint + tokenizer to run_dir/model_init (once)."""
-    if os.path.exists(os.path.join(layout.model_init, "config.json")):
+    if os.path.exists(os.path.join(rundir.model_init, "config.json")):  # an HF checkpoint directory
         return
     import torch
 
@@ -132,54 +155,40 @@ def make_initial_model(cfg: RunConfig, layout: RunLayout) -> None:
     from pipeline.models.qwen3 import Qwen3ForCausalLM
     from pipeline.models.tokenizer import build_tiny_tokenizer
 
-    tok_dir = layout.model_init + ".tokenizer"
+    tok_dir = rundir.model_init_tokenizer
     tok = build_tiny_tokenizer(tok_dir)
     args = model_preset(cfg.model.init, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
                        mtp_layers=cfg.model.mtp_num_layers)
     torch.manual_seed(cfg.model.init_seed)
     model = Qwen3ForCausalLM(args)
     model.init_weights(cfg.model.init_seed)
-    save_model(model.state_dict(), args, layout.model_init, tokenizer_dir=tok_dir)
+    save_model(model.state_dict(), args, rundir.model_init, tokenizer_dir=tok_dir)
     shutil.rmtree(tok_dir, ignore_errors=True)
 
 
-def run_token(layout: RunLayout) -> str:
-    """The run's shared secret (run_dir/.token, mode 600): engines reject HTTP requests without it."""
-    import secrets
-
-    path = layout.token
-    if not os.path.exists(path):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(16))
-    with open(path) as f:
-        return f.read().strip()
-
-
-def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunLayout]:
+def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunDir]:
     """`profile`: the cluster profile when the run goes to Slurm (its GPUs are checked, not this machine's)."""
     cfg = resolve_paths(cfg)
     check_inputs(cfg)
     check_memory(cfg, profile)
-    layout = RunLayout(cfg.run_dir)
+    rundir = RunDir(cfg.run_dir)
     try:
-        for d in (layout.root, layout.logs, layout.buffer):
+        for d in (rundir.root, rundir.logs, rundir.buffer):
             os.makedirs(d, exist_ok=True)
-        if not os.access(layout.root, os.W_OK):
-            raise UserError(f"run_dir {layout.root!r} is not writable")
-        previous = os.path.join(layout.root, RESOLVED_NAME)
+        if not os.access(rundir.root, os.W_OK):
+            raise UserError(f"run_dir {rundir.root!r} is not writable")
         text = dump_config(cfg)
-        if os.path.exists(previous):
-            with open(previous) as f:
+        if os.path.exists(rundir.config):
+            with open(rundir.config) as f:
                 if f.read() != text:
                     log.warning("run_dir %s held a different config; the new one replaces it (resuming from its "
-                                "checkpoints)", layout.root)
-        atomic_write_bytes(previous, text.encode())
+                                "checkpoints)", rundir.root)
+        atomic_write_bytes(rundir.config, text.encode())
         if cfg.model.path is None:
-            make_initial_model(cfg, layout)
-        run_token(layout)
-        rdzv.reset_control(layout.root)
-        shutil.rmtree(startup_dir(layout.root), ignore_errors=True)  # this start's phases only
+            make_initial_model(cfg, rundir)
+        rundir.create_token()
+        rundir.reset_control()
+        shutil.rmtree(rundir.startup_dir, ignore_errors=True)  # this start's phases only
     except OSError as e:
-        raise storage_error("run directory", getattr(e, "filename", None) or layout.root, e) from e
-    return cfg, layout
+        raise storage_error("run directory", getattr(e, "filename", None) or rundir.root, e) from e
+    return cfg, rundir

@@ -39,11 +39,14 @@ class PackedCausal:
     is. Otherwise it is scattered into a [B, T] grid for one SDPA call (or the batch-invariant kernel),
     then gathered back, so the model itself never sees padding and no logits are computed for pad
     positions.
+
+    varlen=False takes the padded grid on GPUs too (benchmarks time both paths side by side).
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor):
+    def __init__(self, cu_seqlens: torch.Tensor, varlen: bool = True):
         assert cu_seqlens.dim() == 1 and cu_seqlens[0] == 0
         self.cu_seqlens = cu_seqlens
+        self.varlen = varlen
         self.cu_seqlens_i32: torch.Tensor | None = None  # flash attention's varlen kernel wants int32
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         self.lengths = lengths
@@ -59,10 +62,10 @@ class PackedCausal:
         self.qpos_BT = torch.where(t[None, :] < lengths[:, None], t[None, :], 0)
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> "PackedCausal":
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu", varlen: bool = True) -> "PackedCausal":
         cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=device)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long, device=device), 0)
-        return cls(cu)
+        return cls(cu, varlen)
 
     def to_grid(self, x_NXD: torch.Tensor) -> torch.Tensor:
         b = len(self.lengths)
@@ -73,7 +76,7 @@ class PackedCausal:
     @torch.compiler.disable  # a compiled decoder layer (train.compile) calls attention as it is
     def attend(self, layer_idx, q_NHD, k_NKD, v_NKD, scale: float | None = None):
         """scale: the softmax scale (None: 1/sqrt(D)); v may have its own head dim (MLA)."""
-        if q_NHD.is_cuda and scale is None and v_NKD.shape[-1] == q_NHD.shape[-1]:
+        if q_NHD.is_cuda and self.varlen and scale is None and v_NKD.shape[-1] == q_NHD.shape[-1]:
             if self.cu_seqlens_i32 is None:
                 self.cu_seqlens_i32 = self.cu_seqlens.to(torch.int32)
             o_NHD = kernels.packed_causal_attention(q_NHD, k_NKD, v_NKD, self.cu_seqlens_i32, self.max_len)

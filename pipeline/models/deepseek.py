@@ -24,6 +24,7 @@ from torch import nn
 import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
+from pipeline.models.layers import MLP, run_experts
 
 NORM_EPS = 1e-20  # transformers' denominator guard of the normalised top-k weights
 
@@ -74,8 +75,6 @@ class DeepseekMoE(nn.Module):
     (mlp.experts.<e>.{gate,up,down}_proj, mlp.shared_experts.*, mlp.gate.*)."""
 
     def __init__(self, args: ModelArgs):
-        from pipeline.models.qwen3 import MLP
-
         super().__init__()
         self.gate = TopkRouter(args)
         self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
@@ -83,10 +82,8 @@ class DeepseekMoE(nn.Module):
                                if args.n_shared_experts else None)
 
     def forward(self, x_ND, routing, moe_idx: int):
-        from pipeline.models.qwen3 import combine_experts
-
         idx_Nk, w_Nk = self.gate(x_ND, routing, moe_idx)
-        out_ND = combine_experts(self.experts, x_ND, idx_Nk, w_Nk)
+        out_ND = run_experts(self.experts, x_ND, idx_Nk, w_Nk)
         if self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND

@@ -34,7 +34,7 @@ def is_fp8_target(name: str, t: torch.Tensor) -> bool:
 @torch.no_grad()
 def to_fp8(model: torch.nn.Module) -> int:
     """Quantise every target Linear of `model` in place (blockwise FP8). Returns how many."""
-    from pipeline.models.qwen3 import Linear
+    from pipeline.models.layers import Linear
 
     n = 0
     for name, module in model.named_modules():

@@ -23,7 +23,8 @@ from pipeline.utils.fs import atomic_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 
 
 def read_model_args(model_dir: str) -> ModelArgs:

@@ -12,17 +12,7 @@ from __future__ import annotations
 import torch
 
 import lockstep_kernels as kernels
-
-GREEDY_EPS = 1e-5
-
-
-def scaled_logits(logits_MV: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    """fp32 logits divided by the temperature (temperature ~0 means greedy: scored at 1)."""
-    logits = logits_MV.float()
-    if isinstance(temperature, torch.Tensor):
-        t = torch.where(temperature < GREEDY_EPS, torch.ones_like(temperature), temperature).float()
-        return logits / t[:, None]
-    return logits / (temperature if temperature >= GREEDY_EPS else 1.0)
+from lockstep_kernels import GREEDY_EPS, scaled_logits  # noqa: F401  (the kernel library's; re-exported)
 
 
 def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -30,6 +20,25 @@ def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature:
     return kernels.token_logprobs(logits_MV, tokens_M, temperature)
 
 
-def entropy(logits_MV: torch.Tensor, temperature: float) -> torch.Tensor:
+ENTROPY_CHUNK_ROWS = 1024
+"""Rows whose fp32 temporaries (scaled logits, log-softmax, its exp, their product) exist at once: 2.5
+GB at vocabulary 151936, where a whole 16384-token micro-batch took 40 GB."""
+
+
+def entropy(logits_MV: torch.Tensor, temperature: float, chunk_rows: int = ENTROPY_CHUNK_ROWS) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per row [M], fp32. Computed chunk by chunk of rows; under
+    autograd each chunk is recomputed in backward instead of kept (row-wise math: the same values)."""
+    if logits_MV.shape[0] <= chunk_rows:
+        return _entropy(logits_MV, temperature)
+    from torch.utils.checkpoint import checkpoint
+
+    chunks = logits_MV.split(chunk_rows)
+    temps = temperature.split(chunk_rows) if isinstance(temperature, torch.Tensor) else [temperature] * len(chunks)
+    if not torch.is_grad_enabled() or not logits_MV.requires_grad:
+        return torch.cat([_entropy(c, t) for c, t in zip(chunks, temps)])
+    return torch.cat([checkpoint(_entropy, c, t, use_reentrant=False) for c, t in zip(chunks, temps)])
+
+
+def _entropy(logits_MV: torch.Tensor, temperature) -> torch.Tensor:
     logp = kernels.log_softmax(scaled_logits(logits_MV, temperature))
     return -(logp.exp() * logp).sum(-1)

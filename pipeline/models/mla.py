@@ -34,6 +34,7 @@ from torch import nn
 import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
+from pipeline.models.layers import Linear, RMSNorm
 from pipeline.models.rope import apply_rope, apply_rope_interleaved, mla_softmax_scale
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers (and DeepSeek's code) build them with the default eps
@@ -46,8 +47,6 @@ class MLAttention(nn.Module):
     absorb_decode = True  # default-mode decode steps through the absorbed form (tests switch it off to compare)
 
     def __init__(self, args: ModelArgs):
-        from pipeline.models.qwen3 import Linear, RMSNorm
-
         super().__init__()
         h, H = args.hidden_size, args.num_attention_heads
         self.n_heads, self.nope, self.rope, self.v_dim = H, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim

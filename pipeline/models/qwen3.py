@@ -23,36 +23,8 @@ import lockstep_kernels as kernels
 
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
+from pipeline.models.layers import MLP, Linear, RMSNorm, run_experts  # noqa: F401 (also this module's API)
 from pipeline.models.rope import apply_rope, rope_cos_sin
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose matmul goes through kernels.linear.
-
-    `weight_transform` (None, or e.g. INT4 fake quantisation for QAT: pipeline/models/qat.py) maps the
-    stored weight to the one the forward uses. An FP8 rollout engine's target layers hold an e4m3
-    weight and its block scales instead (pipeline/models/fp8.py)."""
-
-    weight_transform = None
-    fp8 = False  # True once pipeline/models/fp8.py gave it an FP8 weight and a `weight_scale_inv`
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
-            from lockstep_kernels import fp8
-
-            return fp8.linear(x, self.weight, self.weight_scale_inv, self.bias)
-        w = self.weight if self.weight_transform is None else self.weight_transform(self.weight)
-        return kernels.linear(x, w, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,17 +51,6 @@ class Attention(nn.Module):
         v = self.v_proj(x_ND).view(n, self.n_kv, self.head_dim)
         o_NHD = ctx.attend(layer_idx, q, k, v)
         return self.o_proj(o_NHD.reshape(n, self.n_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = Linear(hidden, inner, bias=bias)
-        self.up_proj = Linear(hidden, inner, bias=bias)
-        self.down_proj = Linear(inner, hidden, bias=bias)
-
-    def forward(self, x):
-        return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoeRouting:
@@ -170,21 +131,7 @@ class SparseMoeBlock(nn.Module):
             idx_Nk, w_Nk = default_route(logits_NE, self.top_k, self.norm_topk)
         else:
             idx_Nk, w_Nk = routing.route(moe_idx, logits_NE, self.top_k, self.norm_topk)
-        return combine_experts(self.experts, x_ND, idx_Nk, w_Nk)
-
-
-def combine_experts(experts: nn.ModuleList, x_ND: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
-    """sum over a token's k slots of w * expert(x), expert by expert in id order."""
-    out_ND = torch.zeros_like(x_ND)
-    for e, expert in enumerate(experts):
-        tok, slot = torch.where(idx_Nk == e)
-        if tok.numel() == 0:
-            # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
-            out_ND = out_ND + 0.0 * expert(x_ND[:0]).sum()
-            continue
-        y = expert(x_ND[tok]) * w_Nk[tok, slot, None]
-        out_ND = out_ND.index_add(0, tok, y.to(out_ND.dtype))
-    return out_ND
+        return run_experts(self.experts, x_ND, idx_Nk, w_Nk)
 
 
 class DecoderLayer(nn.Module):

@@ -88,8 +88,25 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         eos_token_id=eos,
         pad_token_id=pad if pad is not None else eos,
         bos_token_id=special("bos_token"),
-        chat_template=cfg.get("chat_template"),
+        chat_template=read_chat_template(model_dir, cfg),
     )
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def read_chat_template(model_dir: str, tokenizer_cfg: dict) -> str | None:
+    """The checkpoint's chat template: chat_template.jinja (where transformers 5 saves it), else
+    tokenizer_config.json's chat_template (a string, or a list of named templates: the "default" one)."""
+    path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = tokenizer_cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 TINY_CHAT_TEMPLATE = (

@@ -6,8 +6,11 @@ import os
 import sys
 import time
 
-from pipeline.observability.startup import startup_line
 from pipeline.observability.metrics import read_metrics
+from pipeline.observability.startup import startup_line
+from pipeline.observability.tensorboard_sink import tensorboard_dir
+from pipeline.observability.wandb_sink import wandb_dir, wandb_state
+from pipeline.run import RunDir
 
 
 def mean(xs):
@@ -91,13 +94,27 @@ def summary(run_dir: str) -> str:
     started = startup_line(run_dir)
     if started:
         lines.append(f"start-up          {started}")
-    for name in ("reward.png", "hf"):
-        if os.path.exists(os.path.join(run_dir, name)):
-            lines.append(f"{'plot' if name.endswith('png') else 'final model':<18}{os.path.join(run_dir, name)}")
+    rundir = RunDir(run_dir)
+    for what, path in (("plot", rundir.reward_plot), ("final model", rundir.hf_export)):
+        if os.path.exists(path):
+            lines.append(f"{what:<18}{path}")
+    lines += tracker_lines(run_dir)
     return "\n".join(lines)
 
 
-def plot_rewards(run_dir: str, out_name: str = "reward.png") -> str | None:
+def tracker_lines(run_dir: str) -> list[str]:
+    """Where the run's TensorBoard files and W&B run are, and the command that shows / uploads them."""
+    lines = []
+    if os.path.isdir(tensorboard_dir(run_dir)):
+        lines.append(f"{'tensorboard':<18}tensorboard --logdir {tensorboard_dir(run_dir)}")
+    state = wandb_state(run_dir)
+    if state:
+        where = state.get("url") or f"offline; upload: wandb sync {wandb_dir(run_dir)}/offline-run-*"
+        lines.append(f"{'wandb':<18}run {state['id']}, {where}")
+    return lines
+
+
+def plot_rewards(run_dir: str) -> str | None:
     records = read_metrics(run_dir)
     if not records:
         return None
@@ -122,7 +139,7 @@ def plot_rewards(run_dir: str, out_name: str = "reward.png") -> str | None:
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(run_dir, out_name)
+    path = RunDir(run_dir).reward_plot
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

@@ -1,6 +1,6 @@
 """Where the seconds before the first step go: each component times its start-up phases and publishes
-them as run_dir/startup/<component>.json; the launcher publishes when the command began. The run
-summary and bench/gpu_matrix.py read them.
+them as run_dir/startup/<component>.json (RunDir.startup_file); the launcher publishes when the
+command began. The run summary and bench/gpu_matrix.py read them.
 
   {"started": <epoch s>, "ready": <epoch s>, "phases": [["imports", 1.9], ["load", 2.1], ...]}
 
@@ -13,13 +13,10 @@ import contextlib
 import os
 import time
 
+from pipeline.run import RunDir
 from pipeline.utils.fs import atomic_write_json, read_json
 
 LAUNCH = "launch"
-
-
-def startup_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "startup")
 
 
 def process_started() -> float:
@@ -61,17 +58,9 @@ class StartupClock:
                                  "phases": [[k, round(v, 3)] for k, v in self.phases.items()]})
 
 
-def startup_file(run_dir: str, component: str) -> str:
-    return os.path.join(startup_dir(run_dir), f"{component}.json")
-
-
 def read_startup(run_dir: str) -> dict[str, dict]:
     """component -> its record, for every record published in this run directory."""
-    d = startup_dir(run_dir)
-    if not os.path.isdir(d):
-        return {}
-    return {name[:-5]: read_json(os.path.join(d, name)) for name in sorted(os.listdir(d))
-            if name.endswith(".json") and not name.startswith(".")}
+    return {name: read_json(path) for name, path in RunDir(run_dir).startup_files().items()}
 
 
 def time_to_first_step(records: dict[str, dict]) -> float | None:

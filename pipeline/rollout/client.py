@@ -13,12 +13,14 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.rollout import protocol
+from pipeline.rollout.protocol import MemoryAction, MemoryTag
 
 
 class EngineError(RuntimeError):
@@ -37,7 +39,7 @@ class Generation:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str
+    weight_version: int | None  # None: the engine reported none
     text: str = ""
     routed_experts: np.ndarray | None = None  # [prompt+response-1, moe_layers, top_k]
     engine_url: str = ""
@@ -139,7 +141,7 @@ class EngineClient:
                 output_ids=list(item["output_ids"]),
                 logprobs=[float(x[0]) for x in lps],
                 finish_reason=fr.get("type", "length") if isinstance(fr, dict) else str(fr),
-                weight_version=str(meta.get("weight_version", "")),
+                weight_version=protocol.version_from_wire(meta.get("weight_version")),
                 text=item.get("text", ""),
                 routed_experts=routed,
                 engine_url=self.url,
@@ -159,16 +161,18 @@ class EngineClient:
     def abort_all(self) -> None:
         self.request("POST", "/abort_request", protocol.abort_body())
 
-    def weight_version(self, timeout_s: float | None = None) -> str:
-        """SGLang >= 0.5.2x reports it in /model_info; older releases have /get_weight_version."""
+    def weight_version(self, timeout_s: float | None = None) -> int | None:
+        """The version the engine holds (None: it reports none). SGLang >= 0.5.2x reports it in
+        /model_info; older releases have /get_weight_version."""
         if not self._old_api:
             try:
-                return str(self.request("GET", "/model_info", timeout_s=timeout_s).get("weight_version"))
+                return protocol.version_from_wire(
+                    self.request("GET", "/model_info", timeout_s=timeout_s).get("weight_version"))
             except EngineError as e:
                 if "HTTP 404" not in str(e):
                     raise
                 self._old_api = True
-        return str(self.request("GET", "/get_weight_version", timeout_s=timeout_s).get("weight_version"))
+        return protocol.version_from_wire(self.request("GET", "/get_weight_version", timeout_s=timeout_s).get("weight_version"))
 
     def update_weights_from_tensor(self, named, version: int | None = None, tp_size: int = 1,
                                    timeout_s: float | None = None) -> dict:
@@ -181,11 +185,16 @@ class EngineClient:
         """Engines that share a filesystem with the trainer: an HF checkpoint directory."""
         return self.checked("/update_weights_from_disk", protocol.update_disk_body(model_path, version), timeout_s)
 
-    def release_memory(self, tags=None) -> dict:
-        return self.checked("/release_memory_occupation", protocol.memory_body(tags))
+    def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> dict:
+        """Colocated engines: give the tags' device memory back (None: all)."""
+        return self.memory(MemoryAction.RELEASE, tags)
 
-    def resume_memory(self, tags=None) -> dict:
-        return self.checked("/resume_memory_occupation", protocol.memory_body(tags))
+    def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> dict:
+        """Colocated engines: take the tags' device memory again (None: all)."""
+        return self.memory(MemoryAction.RESUME, tags)
+
+    def memory(self, action: MemoryAction, tags: Sequence[MemoryTag] | None = None) -> dict:
+        return self.checked(f"/{MemoryAction(action).value}_memory_occupation", protocol.memory_body(tags))
 
     def checked(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
         """POST to a weight endpoint and raise if it reports success: false."""
@@ -258,13 +267,13 @@ class EnginePool:
         if v < at_least and time.monotonic() - asked > 0.5:
             self.asked[client.url] = time.monotonic()
             reply = client.weight_version(timeout_s=5.0)
-            v = max(v, int(reply) if reply not in ("", "None") else 0)
+            v = max(v, reply if reply is not None else 0)
             self.versions[client.url] = v
         return v
 
-    def note_version(self, url: str, version: str) -> None:
-        if version not in ("", None):
-            self.versions[url] = max(self.versions.get(url, 0), int(version))
+    def note_version(self, url: str, version: int | None) -> None:
+        if version is not None:
+            self.versions[url] = max(self.versions.get(url, 0), version)
 
     def _pick(self, exclude: set[str], n: int, min_version: int, session: str | None = None) -> EngineClient | None:
         if time.monotonic() - self.refreshed > 5.0:  # pick up restarted engines even when nothing failed
@@ -319,8 +328,8 @@ class EnginePool:
             if client is not None:
                 try:
                     gens = client.generate(input_ids, sampling_params, one_by_one=self.frontend is not None, **kw)
-                    stale = [g.weight_version for g in gens if g.weight_version not in ("", None)
-                             and int(g.weight_version) < min_version]
+                    stale = [g.weight_version for g in gens
+                             if g.weight_version is not None and g.weight_version < min_version]
                     if stale:  # only through a router: an engine restarted behind it answered first
                         raise EngineError(f"{client.url} answered with weight version {stale[0]} < {min_version}")
                     for g in gens:

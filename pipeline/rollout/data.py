@@ -27,14 +27,52 @@ class Prompt:
     text: str = ""
 
 
+MISSING = object()
+
+
+def field_at(row: dict, key: str):
+    """row[key], where a dotted key walks nested objects (`a.b` is row["a"]["b"], as Miles allows); a key
+    present as written wins over the dotted walk. MISSING when absent."""
+    if key in row:
+        return row[key]
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def is_chat(value) -> bool:
+    """A list of chat messages ({"role", "content"} objects)."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
+
+
 @dataclass
 class DatasetStats:
+    """What loading a prompt file kept and skipped: a count per reason and the first lines of each."""
+
+    path: str = ""
     rows: int = 0
     kept: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[int]] = field(default_factory=dict)  # reason -> first line numbers
 
-    def skip(self, reason: str) -> None:
+    def skip(self, reason: str, lineno: int) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        lines = self.examples.setdefault(reason, [])
+        if len(lines) < 3:
+            lines.append(lineno)
+
+    def report(self) -> str:
+        """`data: 998 of 1000 rows of train.jsonl kept; skipped 2: invalid JSON (2: lines 4, 9)`."""
+        head = f"data: {self.kept} of {self.rows} rows of {self.path} kept"
+        if not self.skipped:
+            return head
+        reasons = "; ".join(f"{reason} ({n}: line{'s' if n > 1 else ''} {', '.join(map(str, self.examples[reason]))}"
+                            f"{', ...' if n > len(self.examples[reason]) else ''})" for reason, n in self.skipped.items())
+        return f"{head}; skipped {sum(self.skipped.values())}: {reasons}"
 
 
 class PromptDataset:
@@ -43,14 +81,17 @@ class PromptDataset:
         self.prompts, self.stats = self._load()
         self._orders: dict[int, np.ndarray] = {}
         if not self.prompts:
-            raise UserError(f"{cfg.prompt_data}: no usable rows ({self.stats.skipped or 'file is empty'})")
+            hint = (" (set data.input_key to the field that holds the prompt)"
+                    if f"no {cfg.input_key!r} field" in self.stats.skipped else "")
+            raise UserError(f"{cfg.prompt_data}: no usable rows ({self.stats.report() if self.stats.rows else 'file is empty'})"
+                            + hint)
 
     def _load(self) -> tuple[list[Prompt], DatasetStats]:
         cfg = self.cfg
-        stats = DatasetStats()
+        stats = DatasetStats(path=cfg.prompt_data)
         prompts: list[Prompt] = []
         try:
-            f = open(cfg.prompt_data)
+            f = open(cfg.prompt_data, encoding="utf-8-sig")  # a byte-order mark is not part of the first row
         except FileNotFoundError:
             raise UserError(f"data.prompt_data {cfg.prompt_data!r} not found") from None
         with f:
@@ -58,17 +99,18 @@ class PromptDataset:
                 if not line.strip():
                     continue
                 stats.rows += 1
-                problem, prompt = self._parse(line, len(prompts), lineno)
+                problem, prompt = self._parse(line, len(prompts))
                 if problem:
                     if cfg.on_bad_row == "error":
                         raise UserError(f"{cfg.prompt_data}:{lineno}: {problem} (set data.on_bad_row=skip to skip such rows)")
-                    stats.skip(problem.split(":")[0])
+                    stats.skip(problem, lineno)
                     continue
                 prompts.append(prompt)
         stats.kept = len(prompts)
         return prompts, stats
 
-    def _parse(self, line: str, index: int, lineno: int) -> tuple[str | None, Prompt | None]:
+    def _parse(self, line: str, index: int) -> tuple[str | None, Prompt | None]:
+        """(why the row is unusable, or None; the prompt). Reasons are short and fixed (they are counted)."""
         cfg = self.cfg
         try:
             row = json.loads(line)
@@ -76,27 +118,29 @@ class PromptDataset:
             return "invalid JSON", None
         if not isinstance(row, dict):
             return "row is not a JSON object", None
-        if cfg.input_key not in row:
-            return f"missing field {cfg.input_key!r}", None
-        raw = row[cfg.input_key]
-        if cfg.apply_chat_template:
-            messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-            if not (isinstance(messages, list) and all(isinstance(m, dict) and "content" in m for m in messages)):
-                return f"field {cfg.input_key!r} is not a string or a list of chat messages", None
-            text = self.tokenizer.apply_chat_template(messages)
-        else:
-            if not isinstance(raw, str):
-                return f"field {cfg.input_key!r} is not a string (got {type(raw).__name__})", None
+        raw = field_at(row, cfg.input_key)
+        if raw is MISSING:
+            return f"no {cfg.input_key!r} field", None
+        if is_chat(raw) or (cfg.apply_chat_template and isinstance(raw, str)):
+            if not self.tokenizer.chat_template:
+                return "chat messages, but the tokenizer has no chat template", None
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": raw}] if isinstance(raw, str) else raw)
+        elif isinstance(raw, str):
             text = raw
+        else:
+            return f"{cfg.input_key!r} is neither text nor a list of chat messages", None
         ids = self.tokenizer.encode(text)
         if not ids:
             return "empty prompt", None
         if len(ids) > cfg.max_prompt_len:
-            return f"oversize prompt: {len(ids)} tokens > data.max_prompt_len ({cfg.max_prompt_len})", None
-        metadata = row.get(cfg.metadata_key) or {}
+            return f"prompt longer than data.max_prompt_len ({cfg.max_prompt_len} tokens)", None
+        metadata = field_at(row, cfg.metadata_key)
+        metadata = {} if metadata is MISSING or metadata is None else metadata
         if not isinstance(metadata, dict):
-            return f"field {cfg.metadata_key!r} is not an object", None
-        return None, Prompt(index=index, input_ids=ids, label=row.get(cfg.label_key), metadata=metadata, text=text)
+            return f"{cfg.metadata_key!r} is not an object", None
+        label = field_at(row, cfg.label_key)
+        return None, Prompt(index=index, input_ids=ids, label=None if label is MISSING else label,
+                            metadata=metadata, text=text)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -13,18 +13,15 @@ cursor, the unfinished groups) is in the committed shard, so a restart loses not
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 from pipeline.buffer.reader import BufferReader
-from pipeline.buffer.schema import STATUS_NAMES, RolloutBatch, Sample
+from pipeline.buffer.schema import RolloutBatch, Sample, SampleStatus
 from pipeline.buffer.writer import ShardWriter, WriteOptions, clean_uncommitted
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
 from pipeline.models.hf_io import read_model_args
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rollout import protocol
@@ -33,24 +30,26 @@ from pipeline.rollout.data import Prompt, PromptDataset
 from pipeline.rollout.filters import resolve_filter
 from pipeline.rollout.rewards import resolve_reward, score
 from pipeline.rollout.tito import check_sample, token_hash
+from pipeline.run import RunDir
 
 log = logging.getLogger("lockstep.rollout")
 
-FINISH_TO_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+FINISH_TO_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+WAITING = (SampleStatus.ABORTED, SampleStatus.DEFERRED)  # in the shard for their group, not trained on yet
 
 
 def defer(s: Sample) -> Sample:
     """A finished sample of a group that waits for the next step (its status is kept in metadata)."""
-    if s.status in ("aborted", "deferred"):
+    if s.status in WAITING:
         return s
-    return replace(s, status="deferred", metadata=dict(s.metadata, final_status=s.status))
+    return replace(s, status=SampleStatus.DEFERRED, metadata=dict(s.metadata, final_status=s.status.label))
 
 
 def undefer(s: Sample) -> Sample:
-    if s.status != "deferred":
+    if s.status != SampleStatus.DEFERRED:
         return s
     meta = dict(s.metadata)
-    return replace(s, status=meta.pop("final_status", "completed"), metadata=meta)
+    return replace(s, status=SampleStatus.from_label(meta.pop("final_status", "completed")), metadata=meta)
 
 
 def sampling_seed(rollout_seed: int, step: int, group: int, sample: int) -> int:
@@ -70,35 +69,36 @@ class Group:
 
     @property
     def finished(self) -> bool:
-        return bool(self.samples) and all(s is not None and s.status != "aborted" for s in self.samples)
+        return bool(self.samples) and all(s is not None and s.status != SampleStatus.ABORTED for s in self.samples)
 
 
 class RolloutManager:
     def __init__(self, cfg: RunConfig, run_dir: str, producer_rank: int = 0, num_producers: int = 1):
-        self.cfg, self.layout = cfg, RunLayout(run_dir)
+        self.cfg, self.rundir = cfg, RunDir(run_dir)
         self.rank, self.num_producers = producer_rank, num_producers
-        model_dir = self.layout.model_dir(cfg)
+        model_dir = self.rundir.model_dir(cfg)
         self.args = read_model_args(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed)
+        log.info("%s", self.dataset.stats.report())
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
-        urls = rdzv.engine_urls(run_dir, cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)
-        key = os.environ.get("LOCKSTEP_API_KEY")
+        urls = self.rundir.engine_urls(cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)
+        key = self.rundir.token()
         self.router = None
         if cfg.engine.router == "sglang_router":
             from pipeline.rollout.router import SglangRouter
 
             self.router = SglangRouter(cfg.engine.router_policy, api_key=key,
-                                       log_path=os.path.join(self.layout.logs, f"router_{producer_rank}.log"))
+                                       log_path=self.rundir.log_file(f"router_{producer_rank}"))
             self.router.start(urls)
         self.pool = EnginePool(urls, timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
-                               api_key=key, resolve=lambda: rdzv.current_engine_urls(run_dir, cfg.engine.num_engines),
+                               api_key=key, resolve=lambda: self.rundir.current_engine_urls(cfg.engine.num_engines),
                                retry_budget_s=cfg.rollout.retry_budget_s or None,
                                frontend=self.router.sync if self.router else None)
-        self.writer = ShardWriter(self.layout.buffer, producer_rank, num_producers, model_id=model_dir,
+        self.writer = ShardWriter(self.rundir.buffer, producer_rank, num_producers, model_id=model_dir,
                                   opts=WriteOptions.from_config(cfg.buffer))
-        self.reader = BufferReader(self.layout.buffer)
+        self.reader = BufferReader(self.rundir.buffer)
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout")
         self.record_routing = self.args.is_moe and (cfg.determinism.routing_replay or cfg.determinism.record_routing)
         self.next_draw = producer_rank  # producer r draws r, r + P, r + 2P, ...
@@ -107,12 +107,12 @@ class RolloutManager:
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
         if self.rank == 0:
-            removed = clean_uncommitted(self.layout.buffer)
+            removed = clean_uncommitted(self.rundir.buffer)
             if removed:
                 log.info("removed %d uncommitted leftovers from an earlier run", len(removed))
         step = self.restore()
         while step < self.cfg.num_rollout:
-            version = rdzv.wait_version(self.layout.root, step - self.cfg.staleness)
+            version = self.rundir.wait_version(step - self.cfg.staleness)
             if version is None:
                 log.info("stop requested; rollout manager exits")
                 return
@@ -140,8 +140,8 @@ class RolloutManager:
 
         groups: dict[int, Group] = {}
         for i in range(len(batch)):
-            status = STATUS_NAMES[int(batch.status[i])]
-            if pending_only and status not in ("aborted", "deferred"):
+            status = SampleStatus(int(batch.status[i]))
+            if pending_only and status not in WAITING:
                 continue
             meta = json.loads(batch.metadata[i])
             gid = int(batch.group_id[i])
@@ -227,7 +227,7 @@ class RolloutManager:
         n = cfg.n_samples_per_prompt
         if not g.samples:
             g.samples = [None] * n
-        todo = [i for i in range(n) if g.samples[i] is None or g.samples[i].status == "aborted"]
+        todo = [i for i in range(n) if g.samples[i] is None or g.samples[i].status == SampleStatus.ABORTED]
         inputs, params = [], []
         for i in todo:
             prior = g.samples[i]
@@ -250,7 +250,7 @@ class RolloutManager:
         cfg = self.cfg.rollout
         response = (list(prior.response_ids) if prior else []) + list(gen.output_ids)
         logprobs = (list(prior.logprobs) if prior else []) + list(gen.logprobs)
-        version = int(gen.weight_version or 0)
+        version = gen.weight_version if gen.weight_version is not None else 0
         mask = [1] * len(response)
         if prior is not None:
             old_mask = list(prior.loss_mask)
@@ -258,18 +258,18 @@ class RolloutManager:
                 old_mask = [0] * len(old_mask)  # generated by an older policy
             mask = old_mask + [1] * len(gen.output_ids)
             version = min(version, prior.weight_version)
-        status = FINISH_TO_STATUS.get(gen.finish_reason, "completed")
+        status = FINISH_TO_STATUS.get(gen.finish_reason, SampleStatus.COMPLETED)
         meta = dict(g.prompt.metadata, draw=g.draw)
         meta["token_hash"] = token_hash(list(g.prompt.input_ids) + response)
         if gen.spec_verify_ct:  # tokens after the prefill's first came from this many verify forwards
             meta["spec"] = [len(gen.output_ids) - 1, gen.spec_verify_ct]
         reward, comps = 0.0, {}
-        if status != "aborted":
+        if status != SampleStatus.ABORTED:
             # The reward sees text; training sees the token ids exactly as generated (TITO).
             text = self.tokenizer.decode(response, skip_special_tokens=True)
             reward, comps, error = score(self.reward_fn, text, g.prompt.label, g.prompt.metadata)
             if error:
-                status, meta["reward_error"] = "failed", error
+                status, meta["reward_error"] = SampleStatus.FAILED, error
             if cfg.tito_checks:
                 report = check_sample(g.prompt.input_ids, response, self.tokenizer, [self.tokenizer.eos_token_id],
                                       g.prompt.text)
@@ -308,8 +308,8 @@ class RolloutManager:
             "rollout/reward_mean": float(batch.rewards.mean()) if len(batch) else 0.0,
             "rollout/reward_std": float(batch.rewards.std()) if len(batch) else 0.0,
             "rollout/response_len_mean": float(batch.response_len.mean()) if len(batch) else 0.0,
-            "rollout/truncated_frac": float((batch.status == 1).sum()) / n,
-            "rollout/reward_failed": int(sum(s.status == "failed" for s in samples)),
+            "rollout/truncated_frac": float((batch.status == SampleStatus.TRUNCATED).sum()) / n,
+            "rollout/reward_failed": int(sum(s.status == SampleStatus.FAILED for s in samples)),
             "rollout/num_samples": len(batch),
             "rollout/tokens": int(batch.response_len.sum()),
             "rollout/generate_time_s": elapsed,

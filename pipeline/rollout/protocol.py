@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Sequence
+from enum import StrEnum
 
 import torch
 
@@ -21,6 +22,37 @@ import torch
 EXTENSIONS: dict[str, frozenset[str]] = {
     "/init_weights_update_group": frozenset({"timeout_s"}),
 }
+
+
+class MemoryTag(StrEnum):
+    """What /release_memory_occupation and /resume_memory_occupation act on (SGLang's tag names)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+
+
+class MemoryAction(StrEnum):
+    """The two memory calls of colocated engines (/<action>_memory_occupation)."""
+
+    RELEASE = "release"
+    RESUME = "resume"
+
+
+def version_to_wire(version: int) -> str:
+    """A weight version as SGLang's protocol carries it (a string); Lockstep's versions are ints."""
+    return str(int(version))
+
+
+def version_from_wire(value) -> int | None:
+    """A weight version as an engine reported it (SGLang: a string; the built-in engine too, as SGLang),
+    or None when it reported none."""
+    if value in (None, "", "None"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"weight version {value!r} is not an integer: Lockstep numbers versions 0, 1, 2, ... "
+                         "(it starts SGLang engines with --weight-version 0)") from None
 
 
 def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int) -> dict:
@@ -58,14 +90,14 @@ def update_distributed_body(bucket: Sequence[tuple[str, torch.Tensor]], group_na
     body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": version is not None}
     if version is not None:
-        body["weight_version"] = str(version)
+        body["weight_version"] = version_to_wire(version)
     return body
 
 
 def update_disk_body(model_path: str, version: int | None = None) -> dict:
     body = {"model_path": model_path, "flush_cache": True}
     if version is not None:
-        body["weight_version"] = str(version)
+        body["weight_version"] = version_to_wire(version)
     return body
 
 
@@ -96,11 +128,21 @@ def update_tensor_body(named: Sequence[tuple[str, torch.Tensor]], tp_size: int =
     payload = serialize_named_tensors(named)
     body = {"serialized_named_tensors": [payload] * tp_size, "flush_cache": flush_cache}
     if version is not None:
-        body["weight_version"] = str(version)
+        body["weight_version"] = version_to_wire(version)
     return body
 
 
-def memory_body(tags: Sequence[str] | None = None) -> dict:
-    """/release_memory_occupation and /resume_memory_occupation: tags among "weights", "kv_cache"
-    (None: both)."""
-    return {"tags": list(tags) if tags is not None else None}
+def memory_body(tags: Sequence[MemoryTag] | None = None) -> dict:
+    """/release_memory_occupation and /resume_memory_occupation: tags (None: all)."""
+    return {"tags": [MemoryTag(t).value for t in tags] if tags is not None else None}
+
+
+def memory_tags(body: dict) -> list[MemoryTag] | None:
+    """The tags of a memory request as the engine reads them (ValueError naming an unknown one)."""
+    tags = body.get("tags")
+    if tags is None:
+        return None
+    unknown = [t for t in tags if t not in set(MemoryTag)]
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}: use {', '.join(t.value for t in MemoryTag)}")
+    return [MemoryTag(t) for t in tags]

@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-from pipeline.launch.rendezvous import free_port
 from pipeline.rollout.client import EngineClient, EngineError
+from pipeline.run import free_port
 from pipeline.utils.proc import die_with_parent
 
 log = logging.getLogger("lockstep.router")

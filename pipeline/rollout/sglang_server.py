@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from pipeline.config.schema import RunConfig, SglangEngineConfig
 from pipeline.errors import ComponentFailed
-from pipeline.launch import rendezvous as rdzv
 from pipeline.rollout.client import EngineClient
+from pipeline.run import RunDir, free_port
 from pipeline.utils.proc import die_with_parent
 
 log = logging.getLogger("lockstep.sglang")
@@ -100,15 +100,15 @@ class SglangSupervisor:
     def __init__(self, cfg: RunConfig, run_dir: str, index: int, host: str, model_path: str,
                  api_key: str | None = None, command=None):
         self.cfg, self.e = cfg, cfg.engine
-        self.run_dir, self.index, self.host, self.model_path, self.api_key = run_dir, index, host, model_path, api_key
+        self.rundir, self.index, self.host, self.model_path, self.api_key = RunDir(run_dir), index, host, model_path, api_key
         self.command = command or (lambda port: server_command(cfg, model_path, host, port, api_key))
         self.restarts = 0
         self.current: Serving | None = None
         self._stop = False
 
     def start(self) -> Serving:
-        port = rdzv.free_port(self.host)
-        log_path = os.path.join(self.run_dir, "logs", f"sglang_{self.index}.{self.restarts}.log")
+        port = free_port(self.host)
+        log_path = self.rundir.log_file(f"sglang_{self.index}.{self.restarts}")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         cmd = self.command(port)
         log.info("engine %d: %s", self.index, " ".join(a if a != self.api_key else "***" for a in cmd))
@@ -126,9 +126,8 @@ class SglangSupervisor:
                 raise ComponentFailed(f"engine_{self.index}", None, f"no /health within {self.e.startup_timeout_s:.0f}s\n"
                                       + tail(log_path))
             time.sleep(1.0)
-        rdzv.publish(rdzv.engine_file(self.run_dir, self.index),
-                     {"url": url, "host": self.host, "port": port, "pid": proc.pid, "backend": "sglang",
-                      "restarts": self.restarts})
+        self.rundir.publish_engine(self.index, {"url": url, "host": self.host, "port": port, "pid": proc.pid,
+                                                "backend": "sglang", "restarts": self.restarts})
         log.info("engine %d serving on %s", self.index, url)
         self.current = Serving(proc, url, log_path)
         return self.current
@@ -186,10 +185,8 @@ def tail(path: str, n: int = 4000) -> str:
 
 
 def main(cfg: RunConfig, run_dir: str, index: int, host: str) -> None:
-    from pipeline.launch.layout import RunLayout
-
-    sup = SglangSupervisor(cfg, run_dir, index, host, RunLayout(run_dir).model_dir(cfg),
-                           api_key=os.environ.get("LOCKSTEP_API_KEY"))
+    rundir = RunDir(run_dir)
+    sup = SglangSupervisor(cfg, run_dir, index, host, rundir.model_dir(cfg), api_key=rundir.token())
     signal.signal(signal.SIGTERM, sup.stop)
     try:
         sup.run()

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pipeline import faults
 from pipeline.errors import is_storage_failure, storage_error
+from pipeline.run import RunDir
 from pipeline.utils.fs import atomic_write_json, fsync_dir, read_json
 
 STATE_NAME = "trainer_state.json"
@@ -27,7 +28,7 @@ log = logging.getLogger("lockstep.checkpoint")
 
 
 def ckpt_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
+    return RunDir(run_dir).checkpoints
 
 
 def ckpt_dir(run_dir: str, step: int) -> str:
@@ -132,3 +133,25 @@ def clean_partial(run_dir: str) -> None:
         for name in os.listdir(root):
             if name.endswith(".tmp"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def save_backend(run_dir: str, step: int, backend, keep_last: int) -> str:
+    """Collective: a TrainerBackend's state (policy, optimizer, schedule; PPO's critic) after `step`
+    rollout steps, the weight version the engines then serve beside it."""
+    b = backend
+    critic = (b.critic, b.critic_optimizer) if b.critic is not None else None
+    return save(run_dir, step, b.model, b.optimizer, b.scheduler, {"weight_version": step}, keep_last, critic=critic)
+
+
+def resume_backend(run_dir: str, backend) -> int:
+    """Collective: a TrainerBackend back to the latest complete checkpoint (half-written ones are
+    removed); the rollout steps done (0: none, it starts afresh)."""
+    clean_partial(run_dir)
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return 0
+    b = backend
+    critic = (b.critic, b.critic_optimizer) if b.critic is not None else None
+    record = load(run_dir, latest, b.model, b.optimizer, b.scheduler, critic=critic)
+    log.info("resumed from checkpoint step %d", latest)
+    return int(record["step"])

@@ -20,33 +20,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.config.schema import RunConfig
-from pipeline.errors import ConfigError
-from pipeline.models.hf_io import load_model
+from pipeline.config.validate import validate
+from pipeline.models.hf_io import load_model, read_model_args
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.models.mtp import mtp_inputs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
+from pipeline.trainer.base import MtpScores
 from pipeline.trainer.batching import MicroBatch
-
-
-@dataclass
-class MtpScores:
-    """The MTP head on a micro-batch's response tokens [M]: logprob of each token (at the rollout
-    temperature), whether its top guess was that token, and which tokens it is trained on."""
-
-    logp_M: torch.Tensor
-    hit_M: torch.Tensor
-    mask_M: torch.Tensor
-
-
-def lr_factor(step: int, warmup: int, total: int, style: str, floor: float) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based): warm-up, then decay to `floor`."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if style == "constant" or total <= warmup:
-        return 1.0
-    frac = min(max((step - warmup) / max(total - warmup - 1, 1), 0.0), 1.0)
-    shape = 0.5 * (1 + math.cos(math.pi * frac)) if style == "cosine" else 1.0 - frac
-    return floor + (1.0 - floor) * shape
+from pipeline.trainer.optim import adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference, step_if_finite
 
 
 def full_state(model, args, dtype: torch.dtype | None = None,
@@ -215,13 +196,11 @@ def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: 
     return model
 
 
-def int4_scale_dtype(cfg) -> torch.dtype:
-    """INT4 scales are stored (and so trained with) in the export dtype: bf16, or fp32 for fp32 runs."""
-    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-
-
 class FSDPBackend:
+    """TrainerBackend (base.py) over FSDP2: every rank is data parallel and holds a shard of everything."""
+
     def __init__(self, cfg: RunConfig, model_dir: str, device: torch.device):
+        validate(cfg, read_model_args(model_dir))
         self.cfg, self.device = cfg, device
         self.compute_dtype = getattr(torch, cfg.model.dtype)
         self.world = dist.get_world_size()
@@ -232,31 +211,14 @@ class FSDPBackend:
         if cfg.train.int4_qat:
             from pipeline.models.qat import enable_int4_qat
 
-            if not self.args.is_moe:
-                raise ConfigError("train.int4_qat quantizes MoE expert weights, and this model has none"
-                                  " (model.init=tiny-moe, or a Qwen3-MoE checkpoint)")
-            try:
-                enable_int4_qat(model, cfg.train.int4_group_size, int4_scale_dtype(cfg))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        if cfg.train.compile and self.args.is_moe:
-            raise ConfigError("train.compile is for dense models: MoE layers keep Python routing state (R3)")
+            enable_int4_qat(model, cfg.train.int4_group_size, int4_scale_dtype(cfg))
         self.model = shard(model, self.mesh, self.compute_dtype, recompute=cfg.train.recompute_activations,
                            compile=cfg.train.compile)
-        t = cfg.train
-        # fused=True on GPUs: one kernel over all shards instead of for-each launches per op (CPU runs keep
-        # the default implementation, whose numbers the CPU tests were written against).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.weight_decay, eps=t.adam_eps,
-                                           fused=True if device.type == "cuda" else None)
-        total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, t.lr_warmup_steps, total, t.lr_decay_style, t.min_lr / t.lr))
-        self.critic = self.critic_optimizer = None
-        if cfg.algo.advantage_estimator == "ppo":
-            self.critic, self.critic_optimizer = self.build_critic(model_dir)
+        self.optimizer = adamw(self.model.parameters(), cfg, device)
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
+        self.critic, self.critic_optimizer = self.build_critic(model_dir) if needs_critic(cfg) else (None, None)
         self.ref_model = None
-        if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
+        if needs_reference(cfg):
             _, ref = load_model(model_dir, dtype=torch.float32, device=device, mtp_layers=0)
             ref.requires_grad_(False)
             self.ref_model = shard(ref, self.mesh, self.compute_dtype)
@@ -264,17 +226,14 @@ class FSDPBackend:
     def build_critic(self, model_dir: str):
         """PPO's critic: the policy's backbone (initialised from the same checkpoint) with a scalar
         value head, zero-initialised, in place of the LM head. It is trained, never exported."""
-        from pipeline.models.qwen3 import Linear
+        from pipeline.models.layers import Linear
 
         _, critic = load_model(model_dir, dtype=torch.float32, device=self.device, mtp_layers=0)
         critic.lm_head = Linear(self.args.hidden_size, 1, bias=True).to(self.device)
         torch.nn.init.zeros_(critic.lm_head.weight)
         torch.nn.init.zeros_(critic.lm_head.bias)
         critic = shard(critic, self.mesh, self.compute_dtype)
-        t = self.cfg.train
-        opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr, betas=(t.adam_beta1, t.adam_beta2),
-                                eps=t.adam_eps)
-        return critic, opt
+        return critic, adamw(critic.parameters(), self.cfg, self.device, critic=True)
 
     def values(self, mb: MicroBatch) -> torch.Tensor:
         """V(s_t) [M] at every scored position (the state before each response token)."""
@@ -312,26 +271,19 @@ class FSDPBackend:
     # ---- optimizer --------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, zero. Returns (grad norm, stepped); a non-finite norm skips the update."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = self.clip_grads(self.model)
+        stepped = step_if_finite(norm, self.optimizer, self.scheduler)
+        if self.critic is not None:  # PPO: the critic steps with the policy, on its own clip norm
+            cnorm = self.clip_grads(self.critic) if stepped else math.nan
+            step_if_finite(cnorm, self.critic_optimizer)
+        return norm, stepped
+
+    def clip_grads(self, model: torch.nn.Module) -> float:
+        """Clip `model`'s gradients to train.clip_grad by their global norm; the norm before."""
+        params = [p for p in model.parameters() if p.grad is not None]
         clip = self.cfg.train.clip_grad
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norm = float(norm)
-        stepped = math.isfinite(norm)
-        if stepped:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic is not None:
-            cparams = [p for p in self.critic.parameters() if p.grad is not None]
-            if cparams:
-                cnorm = torch.nn.utils.clip_grad_norm_(cparams, clip if clip > 0 else float("inf"))
-                cnorm = float(cnorm.full_tensor() if isinstance(cnorm, DTensor) else cnorm)
-                if stepped and math.isfinite(cnorm):
-                    self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        return norm, stepped
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     @property
     def lr(self) -> float:

@@ -25,11 +25,35 @@ class Scores:
     values_R: np.ndarray | None = None
 
 
+@dataclass
+class Targets:
+    """One micro-batch's share of the scores and returns, [M] on the device (None: not computed; the
+    loss then takes the policy's own pre-update forward as the old logprobs)."""
+
+    old_logp_M: torch.Tensor | None = None
+    ref_logp_M: torch.Tensor | None = None
+    old_values_M: torch.Tensor | None = None
+    returns_M: torch.Tensor | None = None
+
+
 def take(arr_R: np.ndarray | None, batch: RolloutBatch, idx: list[int]) -> np.ndarray | None:
     """The tokens of samples `idx` (in order) from an R-layout array."""
     if arr_R is None:
         return None
     return np.concatenate([arr_R[batch.response_slice(i)] for i in idx])
+
+
+def micro_batch_targets(batch: RolloutBatch, idx: list[int], scores: Scores | None, returns_R: np.ndarray | None,
+                        device) -> Targets:
+    """The Targets of the micro-batch of samples `idx`."""
+
+    def tensor(arr_R):
+        arr = take(arr_R, batch, idx)
+        return None if arr is None else torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+
+    if scores is None:
+        return Targets(returns_M=tensor(returns_R))
+    return Targets(tensor(scores.old_logp_R), tensor(scores.ref_logp_R), tensor(scores.values_R), tensor(returns_R))
 
 
 def sample_advantages(batch: RolloutBatch, cfg: AlgoConfig) -> np.ndarray:

@@ -17,6 +17,7 @@ import time
 import torch
 
 from pipeline import faults
+from pipeline.rollout.protocol import version_from_wire
 from pipeline.weights.group import broadcast, create_group
 from pipeline.weights.quant import SCALE_SUFFIX, dequantize_fp8_pairs, wire
 
@@ -113,15 +114,15 @@ class WeightReceiver:
                 return False, f"weight broadcast failed, kept version {self.engine.weight_version}: {e}"
             if staged is None or self.groups.get(name) is not pg:
                 return False, f"group {name!r} was replaced during the update; kept version {self.engine.weight_version}"
-            version = body.get("weight_version")
+            version = version_from_wire(body.get("weight_version"))
             if version is None:
                 return True, f"staged {len(body['names'])} tensors"
             self.staged[name] = {}
-        self.engine.load_weights(self.dequantized(staged), str(version))
+        self.engine.load_weights(self.dequantized(staged), version)
         self.last_update_s = time.monotonic() - t0
         return self.complete(version) or (True, f"weights updated to version {version}")
 
-    def complete(self, version) -> tuple[bool, str] | None:
+    def complete(self, version: int | None) -> tuple[bool, str] | None:
         """A failure answer when the update that carries `version` leaves parameters unwritten since a
         memory release (the engine then keeps refusing /generate); None when the version is whole."""
         missing = self.engine.missing_after_release()
@@ -157,8 +158,8 @@ class WeightReceiver:
             staged = self.dequantized({n: t.to(self.engine.device) for n, t in named})
         except Exception as e:
             return False, f"update_weights_from_tensor failed, kept version {self.engine.weight_version}: {e}"
-        version = body.get("weight_version")
-        self.engine.load_weights(staged, str(version if version is not None else self.engine.weight_version))
+        version = version_from_wire(body.get("weight_version"))
+        self.engine.load_weights(staged, version if version is not None else self.engine.weight_version)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)  # done reading the sender's memory
         self.last_update_s = time.monotonic() - t0
@@ -174,6 +175,6 @@ class WeightReceiver:
             return False, f"update_weights_from_disk failed: {e}"
         if self.engine.model.args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        version = body.get("weight_version")
-        self.engine.load_weights(state, str(version if version is not None else self.engine.weight_version))
+        version = version_from_wire(body.get("weight_version"))
+        self.engine.load_weights(state, version if version is not None else self.engine.weight_version)
         return self.complete(version) or (True, f"loaded {body['model_path']}")

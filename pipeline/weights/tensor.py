@@ -1,5 +1,5 @@
-"""Trainer side of the colocated transport (weights.type=tensor): engines on this node read the
-exported buckets straight out of the trainer's memory.
+"""weights.type=tensor: colocated engines on this node read the exported buckets straight out of the
+trainer's memory.
 
 Per bucket, rank 0 posts SGLang's /update_weights_from_tensor with the bucket's tensors serialized as
 handles (CUDA IPC on GPUs; named shared memory on CPU), `weight_version` on the last one, and waits for
@@ -8,55 +8,78 @@ trainer may reuse the memory. A bucket's tensors are views of one exported buffe
 that (one storage, offsets), so the engine applies a bucket with one span copy into its flat weights.
 There is no process group, no staging copy through host memory and no broadcast.
 
-Buckets land one by one; the engines are paused around the update, so no request decodes with a mix of
-two versions. Membership changes, retries and catch-up of a restarted engine from the host copy are
-the broadcast sender's (the cached host tensors go back onto the device before they are shared).
+Buckets land one by one, so this transport always pauses the engines around a send
+(`always_pauses`): no request decodes with a mix of two versions. Membership, the host copy, retries
+and catch-up of a restarted engine are common.py's (the cached host tensors go back onto the device
+before they are shared).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Callable
 
 import torch
 
+from pipeline.config.schema import WeightsConfig
 from pipeline.rollout import protocol
-from pipeline.rollout.client import EngineClient, EngineError
-from pipeline.weights.broadcast import BroadcastSender
+from pipeline.rollout.client import EngineClient
 from pipeline.weights.buckets import buckets_of
+from pipeline.weights.common import EngineSet, HostCache, NamedTensors, VersionSync
 
 log = logging.getLogger("lockstep.weights")
 
 
-class TensorSender(BroadcastSender):
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.joined = False
+class TensorTransport:
+    always_pauses = True  # buckets are applied as they arrive: no decoding between two of them
 
+    def __init__(self, cfg: WeightsConfig, clients: list[EngineClient], device: torch.device,
+                 urls: Callable[[], list[str]] | None = None, api_key: str | None = None):
+        self.cfg, self.device = cfg, device
+        self.members_joined = False
+        self.sync = VersionSync(cfg, self, EngineSet(clients, cfg.timeout_s, urls, api_key),
+                                HostCache(cfg.keep_host_copy, device))
+
+    # ---- WeightTransport (base.py): the shared logic in common.VersionSync ---------------------------
     @property
-    def connected(self) -> bool:
-        return self.joined
-
-    def disconnect(self) -> None:
-        self.joined = False
+    def clients(self) -> list[EngineClient]:
+        return self.sync.engines.clients
 
     def connect(self, clients: list[EngineClient] | None = None) -> None:
-        """Take `clients` (default: the live engines) as the members; nothing to set up beyond that."""
-        with self.lock:
-            self.clients = clients if clients is not None else self.live_clients()
-            if not self.clients:
-                raise EngineError("no live engine to send weights to")
-            self.joined = True
-            log.info("colocated weight updates (%s handles) to %d engine(s)",
-                     "CUDA IPC" if self.device.type == "cuda" else "shared-memory", len(self.clients))
+        self.sync.connect(clients)
 
-    def send(self, named_tensors, version: int, pause: bool = False, attempts: int = 3) -> dict:
-        # The engines must not decode while buckets land one by one: always pause (a no-op when idle).
-        return super().send(named_tensors, version, pause=True, attempts=attempts)
+    def send(self, named_tensors: NamedTensors, version: int, pause: bool = False) -> dict:
+        return self.sync.send(named_tensors, version, pause)
 
-    def _send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
-        assert self.connected, "connect() first"
+    def catch_up(self) -> bool:
+        return self.sync.catch_up()
+
+    def watch(self, interval_s: float = 2.0) -> None:
+        self.sync.watch(interval_s)
+
+    def live_clients(self) -> list[EngineClient]:
+        return self.sync.engines.live()
+
+    def close(self) -> None:
+        self.sync.close()
+
+    # ---- the link (common.Link): handles of the trainer's tensors -----------------------------------
+    @property
+    def joined(self) -> bool:
+        return self.members_joined
+
+    def join(self, engines: EngineSet) -> None:
+        """Nothing to set up beyond taking engines.clients as the members."""
+        self.members_joined = True
+        log.info("colocated weight updates (%s handles) to %d engine(s)",
+                 "CUDA IPC" if self.device.type == "cuda" else "shared-memory", len(engines.clients))
+
+    def leave(self) -> None:
+        self.members_joined = False
+
+    def push(self, named_tensors: NamedTensors, version: int, engines: EngineSet) -> dict:
+        assert self.joined, "join() first"
         t0 = time.monotonic()
         nbytes = nbuckets = 0
         messages = []
@@ -65,14 +88,8 @@ class TensorSender(BroadcastSender):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the export has landed before it is read
             body = protocol.update_tensor_body(bucket, version=version if last else None)
-            futures = [self.pool.submit(c.checked, "/update_weights_from_tensor", body, self.cfg.timeout_s)
-                       for c in self.clients]
-            messages += [answer.get("message") for answer in self._answers(futures)]
+            messages += [answer.get("message") for answer in engines.answers(
+                engines.post("/update_weights_from_tensor", body))]
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             nbuckets += 1
         return {"bytes": nbytes, "buckets": nbuckets, "seconds": time.monotonic() - t0, "engine_messages": messages}
-
-
-def make_sender(cfg, *args, **kw) -> BroadcastSender:
-    """The sender weights.type asks for."""
-    return (TensorSender if cfg.type == "tensor" else BroadcastSender)(cfg, *args, **kw)

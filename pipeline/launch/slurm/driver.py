@@ -24,11 +24,10 @@ import time
 
 from pipeline.config import load_resolved
 from pipeline.errors import ComponentFailed
-from pipeline.launch import rendezvous as rdzv
-from pipeline.launch.layout import RunLayout
 from pipeline.launch.local import Supervisor, tail
 from pipeline.launch.slurm.profile import ClusterProfile, load_profile
 from pipeline.observability.metrics import read_metrics
+from pipeline.run import RunDir
 
 log = logging.getLogger("lockstep.slurm")
 
@@ -42,13 +41,12 @@ def srun_command(component: str, run_dir: str, *, group: int | None, nodes: int,
                  profile: ClusterProfile, overlap: bool = False, python: str | None = None,
                  gpus_per_task: int = 0) -> list[str]:
     """One component's srun line (pure: tested against the reference scripts)."""
-    logs = os.path.join(run_dir, "logs")
     name = {"trainer": "trainer_%t", "engine": "engine_%t", "rollout": "rollout"}[component]
     cmd = ["srun"]
     if group is not None:
         cmd.append(f"--het-group={group}")
     cmd += [f"--nodes={nodes}", f"--ntasks={ntasks}", f"--ntasks-per-node={ntasks_per_node}", "--kill-on-bad-exit=1",
-            "--unbuffered", f"--output={logs}/{name}.log", f"--job-name={component}"]
+            "--unbuffered", f"--output={RunDir(run_dir).log_file(name)}", f"--job-name={component}"]
     if gpus_per_task:
         cmd.append(f"--gpus-per-task={gpus_per_task}")  # each engine gets its own GPU
     if overlap:
@@ -94,18 +92,18 @@ def gpus_per_engine(cfg) -> int:
 class SlurmDriver(Checkpointable):
     def __init__(self, run_dir: str, role: str = "all"):
         self.run_dir, self.role = run_dir, role
+        self.rundir = RunDir(run_dir)
         self.sup: Supervisor | None = None
 
     def __call__(self) -> dict:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(levelname)s %(message)s")
         cfg = load_resolved(self.run_dir)
         profile = load_profile(cfg.slurm.cluster)
-        layout = RunLayout(self.run_dir)
-        os.makedirs(layout.logs, exist_ok=True)
-        rdzv.reset_role(self.run_dir, self.role)
+        os.makedirs(self.rundir.logs, exist_ok=True)
+        self.rundir.reset_role(self.role)
         env = {k: str(v) for k, v in profile.env.items()}
         env["LOCKSTEP_BIND"] = profile.bind
-        self.sup = Supervisor(layout, env)
+        self.sup = Supervisor(self.rundir, env)
         steps = plan_steps(cfg, profile, self.run_dir, self.role, cfg.slurm.mode)
         log.info("job %s: starting %s", os.environ.get("SLURM_JOB_ID"), ", ".join(n for n, _ in steps))
         procs = {}
@@ -123,12 +121,12 @@ class SlurmDriver(Checkpointable):
         last = records[-1] if records else {}
         return {"run_dir": self.run_dir, "steps": len(records), "reward_mean": last.get("rollout/reward_mean"),
                 "weights_version": last.get("weights/version"),
-                "preempted": os.path.exists(rdzv.checkpoint_done_file(self.run_dir))}
+                "preempted": self.rundir.checkpoint_done()}
 
     def check(self) -> None:
         self.sup.check()
-        if os.path.exists(rdzv.failed_file(self.run_dir)):
-            info = json.load(open(rdzv.failed_file(self.run_dir)))
+        info = self.rundir.failure()
+        if info is not None:
             raise ComponentFailed(f"{info.get('component')} (in job {info.get('job')})", info.get("returncode"))
 
     def supervise(self, procs: dict) -> None:
@@ -143,18 +141,17 @@ class SlurmDriver(Checkpointable):
             time.sleep(0.5)
 
     def fail(self, e: ComponentFailed) -> None:
-        log.error("%s; last lines of its log:\n%s", e, e.log_tail or tail(self.sup.layout.log_file(e.component)))
-        if not os.path.exists(rdzv.failed_file(self.run_dir)):
-            rdzv.publish(rdzv.failed_file(self.run_dir), {"component": e.component, "returncode": e.returncode,
-                                                          "job": os.environ.get("SLURM_JOB_ID")})
+        log.error("%s; last lines of its log:\n%s", e, e.log_tail or tail(self.rundir.log_file(e.component)))
+        self.rundir.publish_failure({"component": e.component, "returncode": e.returncode,
+                                     "job": os.environ.get("SLURM_JOB_ID")})
 
     def checkpoint(self, *args, **kwargs):
         """submitit calls this on USR2: checkpoint the trainer, stop, requeue (the run resumes)."""
         cfg = load_resolved(self.run_dir)
         if self.role in ("all", "trainer"):
-            rdzv.request_checkpoint(self.run_dir, "slurm signal")
+            self.rundir.request_checkpoint("slurm signal")
             try:
-                rdzv.wait_for(rdzv.checkpoint_done_file(self.run_dir), cfg.slurm.checkpoint_timeout_s)
+                self.rundir.wait_checkpoint_done(cfg.slurm.checkpoint_timeout_s)
                 log.info("trainer checkpointed; requeueing")
             except TimeoutError:
                 log.warning("no checkpoint within %.0fs; requeueing from the last one", cfg.slurm.checkpoint_timeout_s)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from pipeline.config import load_config
+from pipeline.config import load_config, load_resolved
 from pipeline.config.core import from_dict, load_yaml
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError
@@ -138,7 +138,7 @@ def collect(out_dir: str) -> list[dict]:
         records = read_metrics(run) if os.path.isdir(run) else []
         if not records:
             continue
-        cfg = load_config(os.path.join(run, "config.yaml"))
+        cfg = load_resolved(run)
         steady = records[2:] or records  # the first steps include start-up and compilation
         step = sum(r["perf/step_time_s"] for r in steady) / len(steady)
         devices = cfg.train.num_gpus + cfg.engine.num_engines

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pipeline.config.schema import RunConfig, SlurmGroupConfig
 from pipeline.errors import UserError
 from pipeline.launch.slurm.profile import ClusterProfile
+from pipeline.run import RunDir
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def render_script(cfg: RunConfig, profile: ClusterProfile, run_dir: str, command
     comps = components(cfg, profile)
     if s.mode == "paired":
         comps = [c for c in comps if c.name == role]
-    out = output or f"{run_dir}/logs/slurm-%j.out"
+    out = output or RunDir(run_dir).slurm_output
     lines = ["#!/bin/bash",
              f"# Lockstep {s.mode} job for {run_dir}",
              f"# cluster profile: {profile.name} ({profile.description})",

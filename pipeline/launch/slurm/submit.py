@@ -17,6 +17,7 @@ from pipeline.config.schema import RunConfig
 from pipeline.launch.slurm.driver import SlurmDriver
 from pipeline.launch.slurm.plan import check_request, render_script
 from pipeline.launch.slurm.profile import ClusterProfile, load_profile
+from pipeline.run import RunDir
 
 
 def driver_command(run_dir: str, role: str, python: str | None = None) -> str:
@@ -31,11 +32,11 @@ def roles(cfg: RunConfig) -> list[str]:
 
 def dry_run(cfg: RunConfig, profile: ClusterProfile, run_dir: str) -> list[str]:
     """Write the exact batch script(s) to run_dir/slurm/ without submitting; return their paths."""
-    out_dir = os.path.join(run_dir, "slurm")
-    os.makedirs(out_dir, exist_ok=True)
+    rundir = RunDir(run_dir)
+    os.makedirs(rundir.slurm_dir, exist_ok=True)
     paths = []
     for role in roles(cfg):
-        path = os.path.join(out_dir, f"{cfg.slurm.mode}{'' if role == 'all' else '-' + role}.sbatch")
+        path = rundir.sbatch_file(cfg.slurm.mode if role == "all" else f"{cfg.slurm.mode}-{role}")
         with open(path, "w") as f:
             f.write(render_script(cfg, profile, run_dir, driver_command(run_dir, role), role=role))
         os.chmod(path, 0o755)
@@ -96,7 +97,7 @@ def make_executor(cfg: RunConfig, profile: ClusterProfile, run_dir: str, role: s
         def _num_tasks(self) -> int:
             return 1  # the driver; components are job steps it starts itself
 
-    folder = cfg.slurm.submit_dir or os.path.join(run_dir, "slurm")
+    folder = cfg.slurm.submit_dir or RunDir(run_dir).slurm_dir
     ex = LockstepExecutor(folder=folder, max_num_timeout=cfg.slurm.max_requeues)
     ex.update_parameters(time=cfg.slurm.time_min, job_name=cfg.slurm.job_name, signal_delay_s=cfg.slurm.signal_delay_s)
     return ex

@@ -11,7 +11,6 @@ updates take `model_lock`, which a step holds, so weights never change in the mi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
 from pipeline.rollout.engine.kv_cache import CacheAttention, make_cache
+from pipeline.rollout.protocol import MemoryTag
 from pipeline.rollout.engine.sampling import sample
 
 
@@ -39,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    """Required by the engine (Request refuses None): a request's tokens are a function of its seed."""
 
     @classmethod
     def from_json(cls, d: dict | None) -> "SamplingParams":
@@ -51,7 +52,7 @@ class SamplingParams:
             top_k=int(top_k if top_k is not None else -1),
             stop_token_ids=list(d.get("stop_token_ids") or []),
             ignore_eos=bool(d.get("ignore_eos", False)),
-            sampling_seed=d.get("sampling_seed"),
+            sampling_seed=int(d["sampling_seed"]) if d.get("sampling_seed") is not None else None,
         )
 
 
@@ -65,7 +66,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # chunks of [n, moe_layers, k]
     finish_reason: dict | None = None
-    weight_version: str = ""
+    weight_version: int | None = None  # the engine's version when the request was first prefilled
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     abort_requested: bool = False
@@ -74,54 +75,52 @@ class Request:
     spec_verify_ct: int = 0  # verify rounds (SGLang's meta_info spec_verify_ct)
     spec_accepted: int = 0  # drafted tokens accepted
 
+    def __post_init__(self):
+        if self.params.sampling_seed is None:
+            raise ValueError(f"request {self.rid}: sampling_params.sampling_seed is missing: every request needs a"
+                             " seed (its tokens are a function of it; Lockstep's rollout manager derives one per"
+                             " sample from rollout.rollout_seed): pass sampling_seed=<int>")
+
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
     def seed(self) -> int:
-        if self.params.sampling_seed is not None:
-            return int(self.params.sampling_seed)
-        return int(self.rid[:15], 16) if all(c in "0123456789abcdef" for c in self.rid[:15]) else hash(self.rid)
+        return self.params.sampling_seed
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor onto the device; with overlapped decode from pinned memory, non-blocking (a copy
-    from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
-    if torch.device(device).type != "cuda" or not OVERLAP:
+def _to_device(t: torch.Tensor, device, pinned: bool) -> torch.Tensor:
+    """A host tensor onto the device; `pinned` (overlapped decode): from pinned memory, non-blocking (a
+    copy from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
+    if torch.device(device).type != "cuda" or not pinned:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0) -> dict:
+def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0, pinned: bool = False) -> dict:
     """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
     starting at its next one, `ahead` past it (tokens sampled but not read back yet) (rows request-major:
-    a request's positions are adjacent). Built on the host and moved in two copies; `truncated` (any row
-    with top-p/top-k) is known without reading the device."""
+    a request's positions are adjacent). Built on the host and moved in two copies (pinned: see
+    `_to_device`); `truncated` (any row with top-p/top-k) is known without reading the device."""
     floats = torch.tensor([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32)
     ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs],
                          [len(r.output_ids) + ahead for r in reqs]], dtype=torch.int64)
     if per_request > 1:
         floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
         ints[2] += torch.arange(per_request).repeat(len(reqs))
-    floats, ints = _to_device(floats, device), _to_device(ints, device)
+    floats, ints = _to_device(floats, device, pinned), _to_device(ints, device, pinned)
     return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
             "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}
 
 
-# Overlapped decode (LOCKSTEP_OVERLAP=1): step t+1 is launched from step t's tokens on the device before
-# the host reads step t back (SGLang's overlap scheduler). Off by default: on the H200 its first version
-# ran at 0.67-1.06x of step-by-step decode (its host-to-device copies came from pageable memory, which
-# waits for the stream); the pinned copies since then have not run on a GPU yet (BENCHMARKS.md).
-OVERLAP = os.environ.get("LOCKSTEP_OVERLAP", "0") == "1"
-
-
 class _Pending:
-    """A decode step launched and not read back: row i is reqs[i] (running slot i)."""
+    """A decode step launched and not read back: row i is reqs[i] (running slot i). `overlap`: on a GPU
+    the copy back starts now, into pinned memory, and read() waits for it alone."""
 
-    def __init__(self, reqs: list[Request], tokens_B: torch.Tensor, logps_B: torch.Tensor):
+    def __init__(self, reqs: list[Request], tokens_B: torch.Tensor, logps_B: torch.Tensor, overlap: bool):
         self.reqs, self.tokens = reqs, tokens_B
         self.event = None
-        if tokens_B.is_cuda and OVERLAP:  # start the copy back now; read() waits for it alone
+        if tokens_B.is_cuda and overlap:  # start the copy back now; read() waits for it alone
             self.host = (torch.empty(tokens_B.shape, dtype=tokens_B.dtype, pin_memory=True),
                          torch.empty(logps_B.shape, dtype=logps_B.dtype, pin_memory=True))
             self.host[0].copy_(tokens_B, non_blocking=True)
@@ -151,8 +150,17 @@ class Engine:
         speculative_num_steps: int = 0,
         cuda_graph_max_bs: int = 0,
         quantization: str | None = None,
+        overlap: bool = False,
+        fused_sampling: bool = True,
     ):
+        """overlap: overlapped decode (engine.overlap_schedule): step t+1 is launched from step t's tokens
+        on the device before the host reads step t back (SGLang's overlap scheduler); GPUs, plain decode
+        only. Off by default: on the H200 its first version ran at 0.67-1.06x of step-by-step decode (its
+        host-to-device copies came from pageable memory, which waits for the stream); the pinned copies
+        since then have not run on a GPU yet (BENCHMARKS.md). fused_sampling: the fused Triton sampler on
+        GPUs (engine.sampling_backend=triton; rows without top-p/top-k), the same tokens as the torch path."""
         self.model = model.eval()
+        self.overlap, self.fused_sampling = overlap, fused_sampling
         self.args: ModelArgs = model.args
         self.args.check_context_length(context_length, "the engine's context length")
         self.quantization = quantization
@@ -177,11 +185,11 @@ class Engine:
         self.cv = threading.Condition()
         self.model_lock = threading.Lock()
         self.paused = False
-        self.weight_version = "0"
+        self.weight_version = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
-        self.released: set[str] = set()  # "weights" / "kv_cache" while their memory is given back
+        self.released: set[MemoryTag] = set()  # tags whose memory is given back
         # Names written by weight updates since released weights' memory came back (None: the weights
         # hold a complete version). Colocated updates arrive in buckets, one request each: generation
         # waits until every parameter has been written again.
@@ -333,13 +341,14 @@ class Engine:
         if self.spec:
             self.spec.after_prefill(admit, [len(s) for s in seqs], hidden)
         for r in admit:
-            r.weight_version = r.weight_version or self.weight_version
+            if r.weight_version is None:
+                r.weight_version = self.weight_version
         self._keep_routing(admit, [len(s) for s in seqs], routing)
         self.stats["prefill_tokens"] += ctx.positions.numel()
         self._sample_and_advance(admit, logits, base)
 
     def _decode(self) -> None:
-        """One decode step of every running request. Overlapped (OVERLAP, no routing record): the step
+        """One decode step of every running request. Overlapped (self.overlap, no routing record): the step
         is launched from the previous step's tokens still on the device, and the host reads that
         previous step back (appends, finish checks) while this one runs. A step is not launched ahead
         when a request may reach its length limit with the step before (its row would run past it);
@@ -366,7 +375,7 @@ class Engine:
         self._remove_finished(finished + self._advance(step, 0, skip={slot for slot, _ in finished}))
 
     def _overlappable(self, reqs: list[Request]) -> bool:
-        return OVERLAP and self.spec is None and not any(r.return_routed_experts for r in reqs)
+        return self.overlap and self.spec is None and not any(r.return_routed_experts for r in reqs)
 
     def _can_run_ahead(self, reqs: list[Request]) -> bool:
         """True if no request can finish by length with the step in flight (host counts lag it by one)."""
@@ -389,9 +398,9 @@ class Engine:
 
     def _sample(self, reqs: list[Request], logits_BV: torch.Tensor, ahead: int = 0) -> _Pending:
         """Sample each row's next token (and its logprob); nothing read back yet."""
-        rows = sampling_rows(reqs, self.device, ahead=ahead)
-        tokens_B = sample(logits_BV, **rows)
-        return _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]))
+        rows = sampling_rows(reqs, self.device, ahead=ahead, pinned=self.overlap)
+        tokens_B = sample(logits_BV, **rows, fused=self.fused_sampling)
+        return _Pending(list(reqs), tokens_B, token_logprobs(logits_BV, tokens_B, rows["temperature_B"]), self.overlap)
 
     def _advance(self, step: _Pending, first_slot: int, skip: set[int] = frozenset()) -> list[tuple[int, dict]]:
         """Append a step's tokens and logprobs (rows in `skip`: finished before it, discarded); returns
@@ -453,17 +462,19 @@ class Engine:
     def _finish(self, req: Request, reason: dict) -> None:
         req.finish_reason = reason
         req.spec_hidden = None
-        req.weight_version = req.weight_version or self.weight_version
+        if req.weight_version is None:
+            req.weight_version = self.weight_version
         self.stats["finished"] += 1
         req.done.set()
 
     # ---- weights ----------------------------------------------------------------------------------
-    def load_weights(self, named: dict[str, torch.Tensor], version: str) -> None:
+    def load_weights(self, named: dict[str, torch.Tensor], version: int) -> None:
         """Swap in a complete set (or subset) of weights between steps."""
+        assert isinstance(version, int), f"weight versions are ints inside Lockstep, got {version!r}"
         params = self.params
         with self.model_lock, torch.no_grad():
             self._drain()  # tokens of the step in flight came from the weights before
-            if "weights" in self.released:  # memory comes back; the update fills it
+            if MemoryTag.WEIGHTS in self.released:  # memory comes back; the update fills it
                 self._resume_weights()
             written = load_into(params, named)
             if self.refill is not None:
@@ -478,41 +489,41 @@ class Engine:
         return [] if self.refill is None else sorted(set(self.params) - self.refill)
 
     # ---- memory (colocated runs: the trainer takes the device while the engine sleeps) ---------------
-    def release_memory(self, tags: list[str] | None) -> None:
+    def release_memory(self, tags: list[MemoryTag] | None) -> None:
         """SGLang's /release_memory_occupation: free the KV cache and/or the weights' memory. Only while
         nothing runs (pause first). Released weights lose their values: the next weight update brings
         them back; until then /generate is refused."""
-        tags = list(tags or ("weights", "kv_cache"))
+        tags = list(tags or MemoryTag)
         with self.cv:
             if self.waiting or self.running:
                 raise RuntimeError(f"cannot release memory with {len(self.waiting) + len(self.running)} requests "
                                    "in flight (pause_generation and wait, or abort them first)")
             self.paused = True
         with self.model_lock:
-            if "kv_cache" in tags and "kv_cache" not in self.released:
+            if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE not in self.released:
                 for t in self._cache_tensors():
                     t.untyped_storage().resize_(0)
-                self.released.add("kv_cache")
-            if "weights" in tags and "weights" not in self.released:
+                self.released.add(MemoryTag.KV_CACHE)
+            if MemoryTag.WEIGHTS in tags and MemoryTag.WEIGHTS not in self.released:
                 for flat in self.flat_weights:
                     flat.untyped_storage().resize_(0)
-                self.released.add("weights")
+                self.released.add(MemoryTag.WEIGHTS)
             if self.graphs is not None:  # graphs point at the memory just given back
                 self.graphs.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def resume_memory(self, tags: list[str] | None) -> None:
+    def resume_memory(self, tags: list[MemoryTag] | None) -> None:
         """SGLang's /resume_memory_occupation: take the memory back (weights hold no valid values
         until the next update; the KV cache is empty)."""
-        tags = list(tags or ("weights", "kv_cache"))
+        tags = list(tags or MemoryTag)
         with self.model_lock:
-            if "kv_cache" in tags and "kv_cache" in self.released:
+            if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE in self.released:
                 for t in self._cache_tensors():
                     t.untyped_storage().resize_(t.numel() * t.element_size())
                     t.zero_()
-                self.released.discard("kv_cache")
-            if "weights" in tags and "weights" in self.released:
+                self.released.discard(MemoryTag.KV_CACHE)
+            if MemoryTag.WEIGHTS in tags and MemoryTag.WEIGHTS in self.released:
                 self._resume_weights()
         if not self.released:
             self.resume()
@@ -524,13 +535,13 @@ class Engine:
     def _resume_weights(self) -> None:
         for flat in self.flat_weights:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        self.released.discard("weights")
+        self.released.discard(MemoryTag.WEIGHTS)
         self.refill = set()  # the memory is back, its values are not
 
     def unavailable(self) -> str | None:
         """Why /generate cannot be served right now (memory released, or weights not refilled)."""
         if self.released:
-            return f"memory released ({', '.join(sorted(self.released))}): call /resume_memory_occupation"
+            return f"memory released ({', '.join(sorted(t.value for t in self.released))}): call /resume_memory_occupation"
         missing = self.missing_after_release()
         if missing:
             return (f"weights were released and {len(missing)} of {len(self.params)} parameters (e.g. {missing[0]}) "

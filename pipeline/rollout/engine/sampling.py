@@ -10,18 +10,10 @@ Legend: B rows (requests), V vocab.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from lockstep_kernels import GREEDY_EPS, scaled_logits
 from lockstep_kernels.dispatch import use_triton
-from pipeline.models.logprobs import GREEDY_EPS, scaled_logits
-
-# The fused Triton sampler (lockstep_kernels/gpu/sampling.py) on GPUs: the same tokens as the torch path
-# (tests/triton_checks.py sampling, on the H200 at vocab 151936); decode with it 1.2-1.5x at batch 64 and
-# 1.6-2.2x at batch 256 over three runs, within noise at batch 1-16 (bench/engine_bench.py
-# --fused-sampling). LOCKSTEP_FUSED_SAMPLING=0 turns it off.
-_FUSED = os.environ.get("LOCKSTEP_FUSED_SAMPLING", "1") != "0"
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -70,13 +62,20 @@ def sample(
     seeds_B: torch.Tensor,
     positions_B: torch.Tensor,
     truncated: bool | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Next token per row. Rows with temperature ~0 take the argmax. truncated: whether any row uses
-    top-p/top-k, when the caller knows it (None: read from the device, a synchronisation)."""
+    top-p/top-k, when the caller knows it (None: read from the device, a synchronisation).
+
+    fused (engine.sampling_backend=triton, the default): on GPUs a batch without top-p/top-k takes the
+    fused Triton sampler (lockstep_kernels/gpu/sampling.py), the same tokens as the torch path
+    (tests/triton_checks.py sampling, on the H200 at vocab 151936); decode with it 1.2-1.5x at batch 64
+    and 1.6-2.2x at batch 256 over three runs, within noise at batch 1-16 (bench/engine_bench.py
+    --fused-sampling)."""
     truncated_B = (top_p_B < 1.0) | (top_k_B > 0)
     if truncated is None:
         truncated = bool(truncated_B.any())
-    if not truncated and _FUSED and use_triton(logits_BV):  # one fused pass on GPUs, the same tokens
+    if not truncated and fused and use_triton(logits_BV):  # one fused pass on GPUs, the same tokens
         from lockstep_kernels.gpu.sampling import gumbel_argmax
 
         return gumbel_argmax(logits_BV, temperature_B, seeds_B, positions_B, GREEDY_EPS)

@@ -32,6 +32,7 @@ import torch
 
 from pipeline import faults
 from pipeline.observability.startup import StartupClock
+from pipeline.rollout import protocol
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 from pipeline.weights.receiver import WeightReceiver
 
@@ -53,7 +54,7 @@ def build_response(req: Request, return_logprob: bool, return_routed: bool, toke
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": 0,
-        "weight_version": req.weight_version,
+        "weight_version": protocol.version_to_wire(req.weight_version),
         "e2e_latency": time.monotonic() - req.submitted,
     }
     if req.spec_verify_ct:  # speculative decoding (SGLang's names)
@@ -107,13 +108,14 @@ class EngineServer:
         rids = rid if isinstance(rid, list) else ([f"{rid}-{i}" for i in range(n)] if (rid and batch) else [rid] * n)
         return_logprob = bool(body.get("return_logprob", False))
         return_routed = bool(body.get("return_routed_experts", False))
-        reqs = []
-        for i in range(n):
-            req = Request(input_ids=list(ids_list[i]), params=SamplingParams.from_json(sp_list[i]),
-                          return_routed_experts=return_routed)
-            if rids[i]:
-                req.rid = str(rids[i])
-            reqs.append(self.engine.submit(req))
+        try:  # every request checked before any is submitted
+            reqs = [Request(input_ids=list(ids_list[i]), params=SamplingParams.from_json(sp_list[i]),
+                            return_routed_experts=return_routed, **({"rid": str(rids[i])} if rids[i] else {}))
+                    for i in range(n)]
+        except ValueError as e:
+            return HTTPStatus.BAD_REQUEST, {"error": str(e)}
+        for req in reqs:
+            self.engine.submit(req)
         for req in reqs:
             req.done.wait()
         if self.engine.error:
@@ -147,7 +149,8 @@ class EngineServer:
                 return HTTPStatus.SERVICE_UNAVAILABLE, {"status": "failed", "error": e.error}
             return HTTPStatus.OK, {"status": "ok"}
         if path in ("/model_info", "/get_model_info"):  # SGLang >= 0.5.2x: /model_info; older: /get_model_info
-            return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True, "weight_version": e.weight_version}
+            return HTTPStatus.OK, {"model_path": self.model_path, "is_generation": True,
+                                   "weight_version": protocol.version_to_wire(e.weight_version)}
         if path in ("/server_info", "/get_server_info"):
             return HTTPStatus.OK, {"model_path": self.model_path, "max_running_requests": e.max_running,
                                    "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
@@ -155,7 +158,7 @@ class EngineServer:
                                    "paused": e.paused, **(e.spec.stats() if e.spec else {}), **device_memory(e.device),
                                    "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
         if path == "/get_weight_version":
-            return HTTPStatus.OK, {"weight_version": e.weight_version}
+            return HTTPStatus.OK, {"weight_version": protocol.version_to_wire(e.weight_version)}
         if path == "/get_weights_by_name":
             return self.weights_by_name(body)
         if method != "POST" and path not in ("/flush_cache",):
@@ -185,11 +188,12 @@ class EngineServer:
             return self._result(self.receiver.update_from_tensor(body))
         if path in ("/release_memory_occupation", "/resume_memory_occupation"):
             try:
-                (e.release_memory if path.startswith("/release") else e.resume_memory)(body.get("tags"))
-            except RuntimeError as exc:
+                (e.release_memory if path.startswith("/release") else e.resume_memory)(protocol.memory_tags(body))
+            except (RuntimeError, ValueError) as exc:
                 return HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
-            log.info("memory released: %s", ", ".join(sorted(e.released)) or "none")
-            return HTTPStatus.OK, {"success": True, "message": f"released: {sorted(e.released)}"}
+            released = sorted(t.value for t in e.released)
+            log.info("memory released: %s", ", ".join(released) or "none")
+            return HTTPStatus.OK, {"success": True, "message": f"released: {released}"}
         return HTTPStatus.NOT_FOUND, {"error": f"unknown endpoint {path}"}
 
     @staticmethod
@@ -279,7 +283,7 @@ def serve(engine_server: EngineServer, host: str, port: int, ready_file: str | N
     url = f"http://{host}:{actual_port}"
     log.info("engine serving on %s", url)
     if ready_file:
-        from pipeline.launch.rendezvous import publish
+        from pipeline.run import publish
 
         publish(ready_file, {"url": url, "host": host, "port": actual_port, "pid": os.getpid()})
     if on_ready is not None:
@@ -303,9 +307,17 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
+    p.add_argument("--api-key", default=None, help="the run's token: requests without it are refused (HTTP 401)")
     p.add_argument("--ready-file", default=None, help="write {url, pid} here once serving (rendezvous)")
     p.add_argument("--true-on-policy", action="store_true", help="batch-invariant kernels")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch"],
+                   help="auto: Triton kernels on GPUs; torch: the torch paths everywhere (determinism.kernel_backend)")
+    p.add_argument("--enable-overlap-schedule", dest="overlap_schedule", action="store_true", default=False,
+                   help="overlapped decode on GPUs: step t+1 launched before step t is read back (engine.overlap_schedule)")
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false",
+                   help="step-by-step decode (SGLang's flag; the built-in engine's default)")
+    p.add_argument("--sampling-backend", default="triton", choices=["triton", "pytorch"],
+                   help="triton: the fused Triton sampler on GPUs; pytorch: the torch path (SGLang's flag; engine.sampling_backend)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="MTP draft layers to build (default: as config.json; 1 adds a fresh head if it has none)")
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN", "EAGLE"],
@@ -323,10 +335,11 @@ def parse_args(argv=None):
 
 def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
                  mtp_layers: int | None = None, speculative_num_steps: int = 0, cuda_graph_max_bs: int | None = None,
-                 quantization: str | None = None, clock: StartupClock | None = None):
+                 quantization: str | None = None, overlap: bool = False, fused_sampling: bool = True,
+                 clock: StartupClock | None = None):
     """The engine of a server, its decode graphs captured. cuda_graph_max_bs: None = max_running on a
-    GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). `clock`
-    times the phases (load, engine, graphs)."""
+    GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). overlap,
+    fused_sampling: see Engine. `clock` times the phases (load, engine, graphs)."""
     from pipeline.models.hf_io import load_model
     from pipeline.models.tokenizer import load_tokenizer
 
@@ -342,7 +355,7 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
         engine = Engine(model, max_running=max_running, context_length=context_length,
                         eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
                         speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
-                        quantization=quantization)
+                        quantization=quantization, overlap=overlap, fused_sampling=fused_sampling)
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # loading's transient blocks (flattening copies the weights once)
     with clock.phase("graphs"):
@@ -350,21 +363,28 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
     return engine, tokenizer
 
 
+def engine_from_args(args, clock: StartupClock | None = None):
+    """The kernel library's process settings, then the engine and tokenizer the flags describe."""
+    import lockstep_kernels
+
+    # Before the engine captures its decode graphs: they record the kernels these settings pick.
+    lockstep_kernels.set_backend(args.kernel_backend)
+    lockstep_kernels.set_batch_invariant(args.true_on_policy)
+    return build_engine(args.model_path, device=args.device, dtype=args.dtype,
+                        max_running=args.max_running_requests, context_length=args.context_length,
+                        mtp_layers=args.mtp_num_layers,
+                        speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0,
+                        cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
+                        quantization=args.quantization, overlap=args.overlap_schedule,
+                        fused_sampling=args.sampling_backend == "triton", clock=clock)
+
+
 def main(argv=None) -> None:
     clock = StartupClock()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
-    if args.true_on_policy:  # before the engine captures its decode graphs: they record these kernels
-        from lockstep_kernels import enable_batch_invariant_mode
-
-        enable_batch_invariant_mode()
-    engine, tokenizer = build_engine(args.model_path, device=args.device, dtype=args.dtype,
-                                     max_running=args.max_running_requests, context_length=args.context_length,
-                                     mtp_layers=args.mtp_num_layers,
-                                     speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0,
-                                     cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
-                                     quantization=args.quantization, clock=clock)
+    engine, tokenizer = engine_from_args(args, clock)
     serve(EngineServer(engine, args.model_path, tokenizer, args.api_key), args.host, args.port, args.ready_file,
           args.allow_all_interfaces, on_ready=lambda: clock.publish(args.startup_file))
 

@@ -81,8 +81,8 @@ class SpecDecoder:
         record = any(r.return_routed_experts for r in reqs)
         logits, routing, hidden_ND = e._forward([t for s in seqs for t in s], ctx, record,
                                                 torch.arange(b * (k + 1), device=e.device))
-        rows = sampling_rows(reqs, e.device, per_request=k + 1)
-        tokens_N = sample(logits, **rows)
+        rows = sampling_rows(reqs, e.device, per_request=k + 1, pinned=e.overlap)
+        tokens_N = sample(logits, **rows, fused=e.fused_sampling)
         logps_N = token_logprobs(logits, tokens_N, rows["temperature_B"])
         target_BK = tokens_N.view(b, k + 1)
         accepted_B = accepted_prefix(drafts_Bk, target_BK).tolist()
@@ -130,11 +130,11 @@ class SpecDecoder:
         logits, h_ND = e.model.draft(torch.cat([r.spec_hidden for r in reqs]), torch.tensor(nxt, device=dev),
                                      ctx.positions, ctx, at_M=last)
         h_BD = h_ND[last]
-        rows = sampling_rows(reqs, dev)
+        rows = sampling_rows(reqs, dev, pinned=e.overlap)
         row_pos = [r.num_tokens - 1 for r in reqs]  # the head's next row: position of the last token
         drafts = []
         for j in range(k):
-            d_B = sample(logits, **{**rows, "positions_B": rows["positions_B"] + j})
+            d_B = sample(logits, **{**rows, "positions_B": rows["positions_B"] + j}, fused=e.fused_sampling)
             drafts.append(d_B)
             if j + 1 == k:
                 break

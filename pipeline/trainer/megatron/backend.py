@@ -1,7 +1,8 @@
 """The megatron-core training backend: GPTModel with tensor, pipeline and expert parallelism.
 
-Same interface as the FSDP2 backend (pipeline/trainer/fsdp.py), so the trainer loop, losses and data
-path are shared: `logprobs` on a packed micro-batch, `optimizer_step`, `full_state` in HF names.
+The TrainerBackend interface (pipeline/trainer/base.py), as the FSDP2 backend's, so the trainer loop,
+losses and data path are shared: `logprobs` on a packed micro-batch, `optimizer_step`, `full_state`
+in HF names.
 
 Parallel layout: WORLD = TP x DP x PP ranks (train.tensor_model_parallel_size,
 train.pipeline_model_parallel_size; megatron's order, TP fastest, so rank 0 is on the first stage);
@@ -11,8 +12,8 @@ rank takes). Pipeline stages hand activations on inside autograd (pipeline/train
 every stage ends a forward with the last stage's logprobs, so the loop's loss code runs on all ranks.
 Gradients of dense weights are summed over the data-parallel group, those of experts over the
 expert-data-parallel group, tied embeddings over the first and last stage (megatron's groups). The
-optimizer is torch AdamW on each rank's shards (megatron's distributed optimizer needs CUDA); the
-gradient norm is the global one over all shards.
+optimizer is torch AdamW on each rank's shards, built as FSDP2's (pipeline/trainer/optim.py; megatron's
+distributed optimizer needs CUDA); the gradient norm is the global one over all shards.
 
 PPO's critic (`values`) is the same GPTModel with a scalar value head (layers.ValueHead) as its
 output layer. Weights come from the HF checkpoint (convert.to_megatron) and go back out through convert.to_hf
@@ -31,11 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config.schema import RunConfig
-from pipeline.errors import ConfigError
+from pipeline.config.validate import validate
 from pipeline.models.hf_io import read_model_args, read_state_dict
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.trainer.batching import MicroBatch
 from pipeline.trainer.megatron import stages
+from pipeline.trainer.optim import adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference, step_if_finite
 
 
 class RankNamed(nn.Module):
@@ -82,40 +84,17 @@ class RankNamed(nn.Module):
                                   if f"{name}.{k}" in optim}
 
 
-def check_config(cfg: RunConfig) -> None:
-    t = cfg.train
-    if cfg.model.path is None and cfg.model.init.startswith("deepseek"):
-        from pipeline.trainer.megatron.model import DEEPSEEK_REFUSAL
-
-        raise ConfigError(DEEPSEEK_REFUSAL)
-    refuse = {
-        "model.mtp_num_layers": cfg.model.mtp_num_layers > 0,
-        "determinism.true_on_policy with tensor parallelism (row-parallel layers sum partial products"
-        " across ranks, in an order the engine does not)": cfg.determinism.true_on_policy and t.tensor_model_parallel_size > 1,
-    }
-    bad = [k for k, v in refuse.items() if v]
-    if bad:
-        raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)} yet: use train.backend=fsdp")
-    mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
-    if t.num_gpus % mp:
-        raise ConfigError(f"train.num_gpus ({t.num_gpus}) must be divisible by train.tensor_model_parallel_size x"
-                          f" train.pipeline_model_parallel_size ({mp})")
-    dp = t.num_gpus // mp
-    if dp % t.expert_model_parallel_size:
-        raise ConfigError(f"train.expert_model_parallel_size ({t.expert_model_parallel_size}) must divide the data"
-                          f" parallel size num_gpus / (tensor x pipeline model parallel size) ({dp})")
-
-
 class MegatronBackend:
+    """TrainerBackend (base.py) over megatron-core's GPTModel: TP x DP x PP ranks, EP inside DP."""
+
     def __init__(self, cfg: RunConfig, model_dir: str, device: torch.device):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from pipeline.trainer.fsdp import lr_factor
-        from pipeline.trainer.megatron import convert
-        from pipeline.trainer.megatron.model import build_gpt, check_model, transformer_config
+        from pipeline.trainer.megatron.model import build_gpt, transformer_config
 
-        check_config(cfg)
+        self.args = read_model_args(model_dir)
+        validate(cfg, self.args)
         if device.type == "cpu":
             from pipeline.trainer.megatron.cpu_compat import install
 
@@ -132,20 +111,7 @@ class MegatronBackend:
         self.links = stages.Links(ps)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
-        self.args = read_model_args(model_dir)
-        check_model(self.args)
-        try:
-            convert.check_parallel(self.args, self.tp, self.ep, self.pp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         use_te = device.type == "cuda" and _has_te() and not t.int4_qat  # QAT hooks megatron's own linear layers
-        if self.args.is_moe and cfg.determinism.true_on_policy:
-            raise ConfigError("train.backend=megatron is bit-exact with the engine for dense models only: megatron's"
-                              " MoE router and expert combine add in another order (use train.backend=fsdp for"
-                              " true on-policy MoE)")
-        if self.args.is_moe and self.tp > 1 and not t.sequence_parallel:
-            raise ConfigError("megatron runs MoE layers under tensor parallelism only with sequence parallelism:"
-                              " set train.sequence_parallel=true (or use train.expert_model_parallel_size)")
         self.sp = t.sequence_parallel and self.tp > 1
         self.pad_to = self.tp if self.sp else 1  # sequence parallel splits the padded length over TP ranks
         config = transformer_config(self.args, tp=self.tp, ep=self.ep, sequence_parallel=t.sequence_parallel,
@@ -161,31 +127,16 @@ class MegatronBackend:
         first, last = self.links.first, self.links.last
         self.model = self.build(build_gpt(self.args, config, use_te, first, last), hf)
         if t.int4_qat:
-            self.enable_int4_qat()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.weight_decay, eps=t.adam_eps)
-        total = cfg.num_rollout * cfg.optimizer_steps_per_rollout
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, t.lr_warmup_steps, total, t.lr_decay_style, t.min_lr / t.lr))
-        self.critic = self.critic_optimizer = None
-        if cfg.algo.advantage_estimator == "ppo":
-            self.critic, self.critic_optimizer = self.build_critic(use_te, hf)
+            from pipeline.trainer.megatron.layers import mark_int4_qat
+
+            mark_int4_qat(self.model, t.int4_group_size, int4_scale_dtype(cfg))
+        self.optimizer = adamw(self.model.parameters(), cfg, device)
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
+        self.critic, self.critic_optimizer = self.build_critic(use_te, hf) if needs_critic(cfg) else (None, None)
         self.ref_model = None
-        if cfg.algo.kl_loss_coef > 0 or cfg.algo.kl_coef > 0:
+        if needs_reference(cfg):
             self.ref_model = self.build(build_gpt(self.args, config, use_te, first, last), hf).requires_grad_(False)
         self.loss_scale = 1.0  # gradients are summed over data-parallel ranks here (FSDP averages)
-
-    def enable_int4_qat(self) -> None:
-        from pipeline.trainer.fsdp import int4_scale_dtype
-        from pipeline.trainer.megatron.layers import mark_int4_qat
-
-        if not self.args.is_moe:
-            raise ConfigError("train.int4_qat quantizes MoE expert weights, and this model has none"
-                              " (model.init=tiny-moe, or a Qwen3-MoE checkpoint)")
-        try:
-            mark_int4_qat(self.model, self.cfg.train.int4_group_size, int4_scale_dtype(self.cfg))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
     def build_critic(self, use_te: bool, hf: dict[str, torch.Tensor]):
         """PPO's critic: the policy's backbone (from the same checkpoint) with a zero-initialised scalar
@@ -202,9 +153,7 @@ class MegatronBackend:
             gpt.output_layer = ValueHead(self.args.hidden_size, sequence_parallel=self.sp)
         critic = self.build(gpt, hf, prefix="critic_", head=("output_layer.weight", "output_layer.bias"))
         critic.links = stages.Links(self.ps, own_groups=True)  # its hand-overs share the policy's backward
-        opt = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algo.critic_lr, betas=(t.adam_beta1, t.adam_beta2),
-                                eps=t.adam_eps)
-        return critic, opt
+        return critic, adamw(critic.parameters(), self.cfg, self.device, critic=True)
 
     def values(self, mb: MicroBatch) -> torch.Tensor:
         """V(s_t) [M] at every scored position (the state before each response token)."""
@@ -229,8 +178,7 @@ class MegatronBackend:
     def logprobs(self, mb: MicroBatch, model=None, replay: bool = False, want_entropy: bool = False,
                  want_mtp: bool = False):
         model = model or self.model
-        if want_mtp:
-            raise ConfigError("the megatron backend has no MTP head")
+        assert not want_mtp, "the megatron backend has no MTP head (the config refuses model.mtp_num_layers)"
         if self.args.is_moe and self.cfg.determinism.routing_replay:
             self.set_replay(model, mb if replay and mb.trace_NLk is not None else None)
         temp = self.cfg.rollout.rollout_temperature
@@ -303,15 +251,10 @@ class MegatronBackend:
     def optimizer_step(self) -> tuple[float, bool]:
         """Sum gradients over the data-parallel groups, clip by the global norm, step, zero."""
         norm = self.clipped_norm(self.model)
-        stepped = math.isfinite(norm)
-        if stepped:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stepped = step_if_finite(norm, self.optimizer, self.scheduler)
         if self.critic is not None:  # PPO: the critic steps with the policy, on its own clip norm
-            if stepped and math.isfinite(self.clipped_norm(self.critic)):
-                self.critic_optimizer.step()
-            self.critic_optimizer.zero_grad(set_to_none=True)
+            cnorm = self.clipped_norm(self.critic) if stepped else math.nan
+            step_if_finite(cnorm, self.critic_optimizer)
         return norm, stepped
 
     def clipped_norm(self, model: nn.Module) -> float:

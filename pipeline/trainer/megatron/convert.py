@@ -24,6 +24,7 @@ import re
 
 import torch
 
+from pipeline.config.validate import check_parallel
 from pipeline.models.config import ModelArgs
 
 HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -51,17 +52,6 @@ def unfuse_qkv(qkv: torch.Tensor, args: ModelArgs, groups: int) -> tuple[torch.T
     x = qkv.reshape(groups, (per + 2) * d, *rest)
     q, k, v = x.split([per * d, d, d], 1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
-
-
-def check_parallel(args: ModelArgs, tp: int, ep: int, pp: int = 1) -> None:
-    if args.num_hidden_layers % pp:
-        raise ValueError(f"num_hidden_layers ({args.num_hidden_layers}) must be divisible by pipeline parallel size {pp}")
-    if args.num_key_value_heads % tp:
-        raise ValueError(f"num_key_value_heads ({args.num_key_value_heads}) must be divisible by tensor parallel size {tp}")
-    if args.is_moe and args.num_experts % ep:
-        raise ValueError(f"num_experts ({args.num_experts}) must be divisible by expert parallel size {ep}")
-    if not args.is_moe and ep != 1:
-        raise ValueError("expert parallelism needs a MoE model")
 
 
 def to_megatron(hf: dict[str, torch.Tensor], args: ModelArgs, tp_rank: int = 0, tp_size: int = 1,

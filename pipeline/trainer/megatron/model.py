@@ -18,33 +18,7 @@ from __future__ import annotations
 import torch
 
 import lockstep_kernels as kernels
-from pipeline.errors import ConfigError
 from pipeline.models.config import ModelArgs
-
-
-DEEPSEEK_REFUSAL = (
-    "train.backend=megatron does not run deepseek_v3 models yet: Lockstep's conversion layer maps no MLA or"
-    " DeepSeek-MoE weights (megatron-core 0.16.1 has MLASelfAttention and sigmoid group-limited routing with"
-    " an expert bias, but scores a group by its top num_experts_per_tok / topk_group experts where DeepSeek"
-    " takes the top 2, and always renormalises sigmoid weights): use train.backend=fsdp")
-
-
-def check_model(args: ModelArgs) -> None:
-    """Refuse what megatron's layers cannot express: a bias on o_proj or the MLP (megatron's
-    add_bias_linear puts one on every linear layer at once) and a YaRN attention_factor given
-    explicitly (megatron derives the factor from factor / mscale / mscale_all_dim); DeepSeek-V3 is not
-    converted yet."""
-    if args.is_mla:
-        raise ConfigError(DEEPSEEK_REFUSAL)
-    rs = args.rope_scaling
-    refuse = {
-        f"attention_bias=true on model_type {args.model_type!r} (o_proj bias)": args.o_proj_bias,
-        "mlp_bias=true": args.mlp_bias,
-        "rope_scaling attention_factor": rs is not None and rs.get("attention_factor") is not None,
-    }
-    bad = [k for k, v in refuse.items() if v]
-    if bad:
-        raise ConfigError(f"train.backend=megatron does not support {', '.join(bad)}: use train.backend=fsdp")
 
 
 def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: bool, dtype: torch.dtype,
@@ -53,8 +27,8 @@ def transformer_config(args: ModelArgs, *, tp: int, ep: int, sequence_parallel: 
 
     moe = {}
     if args.is_moe:
-        if args.mlp_only_layers or args.decoder_sparse_step != 1:
-            raise ValueError("the megatron backend runs Qwen3-MoE models whose every layer is MoE")
+        # pipeline/config/validate.py refuses the others
+        assert not args.mlp_only_layers and args.decoder_sparse_step == 1, "megatron runs all-MoE models only"
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.num_experts_per_tok,
                    moe_ffn_hidden_size=args.moe_intermediate_size, moe_router_load_balancing_type="none",
                    moe_aux_loss_coeff=0.0, moe_router_pre_softmax=not args.norm_topk_prob,

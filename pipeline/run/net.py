@@ -1,4 +1,5 @@
-"""Which address a component publishes: loopback, the node's hostname, or a named interface."""
+"""Network addresses a component publishes in the run directory: which interface it binds (loopback,
+the node's hostname, or a named interface) and a free port on it."""
 
 from __future__ import annotations
 
@@ -27,3 +28,10 @@ def bind_address(mode: str | None = None, default: str = "127.0.0.1") -> str:
     if mode.startswith("interface:"):
         return interface_address(mode.split(":", 1)[1])
     raise ValueError(f"LOCKSTEP_BIND={mode!r}: use loopback, hostname or interface:NAME")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the OS picks it; a rendezvous file then tells the others)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,119 @@
+"""What users bring, answered before anything starts (issue 22): messy prompt files, chat-message
+prompts, chat templates where transformers 5 saves them, checkpoint directories without weights, and
+configs that would train on nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import make_model_dir
+from test_e2e import lockstep
+from pipeline.config.schema import DataConfig
+from pipeline.errors import UserError
+from pipeline.models.tokenizer import build_tiny_tokenizer, load_tokenizer
+from pipeline.rollout.data import PromptDataset
+
+
+def write_rows(path, rows, bom=False):
+    text = "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n"
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tiny_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path, tok):
+    path = write_rows(tmp_path / "bom.jsonl", [{"prompt": "1+2=", "label": "3"}], bom=True)
+    ds = PromptDataset(DataConfig(prompt_data=path), tok, seed=0)
+    assert ds.stats.kept == 1 and ds.prompts[0].label == "3"
+
+
+def test_nested_keys_and_chat_message_prompts(tmp_path, tok):
+    rows = [{"q": {"text": "1+2="}, "a": {"v": "3"}},
+            {"q": {"text": [{"role": "user", "content": "2+2="}]}, "a": {"v": "4"}}]
+    ds = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "n.jsonl", rows), input_key="q.text",
+                                  label_key="a.v"), tok, seed=0)
+    assert [p.label for p in ds.prompts] == ["3", "4"]
+    assert ds.prompts[0].text == "1+2="  # plain text stays as written
+    assert ds.prompts[1].text == tok.apply_chat_template([{"role": "user", "content": "2+2="}])  # messages: templated
+
+
+def test_skipped_rows_are_counted_per_reason_with_their_lines(tmp_path, tok):
+    rows = [{"prompt": "1+2=", "label": "3"}, "{not json", {"label": "no prompt"}, "[1]", {"prompt": 7},
+            {"prompt": "9" * 500}, {"label": "again no prompt"}]
+    ds = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "bad.jsonl", rows), max_prompt_len=64), tok, seed=0)
+    assert ds.stats.kept == 1 and ds.stats.rows == 7
+    assert ds.stats.skipped == {"invalid JSON": 1, "no 'prompt' field": 2, "row is not a JSON object": 1,
+                                "'prompt' is neither text nor a list of chat messages": 1,
+                                "prompt longer than data.max_prompt_len (64 tokens)": 1}
+    report = ds.stats.report()
+    assert report.startswith("data: 1 of 7 rows of ") and "no 'prompt' field (2: lines 3, 7)" in report
+
+
+def test_chat_messages_without_a_template_are_a_reason_not_a_silent_skip(tmp_path):
+    d = tmp_path / "tok"
+    build_tiny_tokenizer(str(d))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}]}, {"prompt": "1+2="}]
+    ds = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "c.jsonl", rows)), load_tokenizer(str(d)), seed=0)
+    assert ds.stats.skipped == {"chat messages, but the tokenizer has no chat template": 1}
+
+
+def test_chat_template_jinja_is_read_and_written_back(tmp_path):
+    """transformers 5 saves the template only to chat_template.jinja."""
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    cfg = json.loads(open(os.path.join(model, "tokenizer_config.json")).read())
+    template = cfg.pop("chat_template").replace("<|im_start|>", "<|im_start|> ")
+    with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(model, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    assert load_tokenizer(model).chat_template == template
+    res = lockstep("run", "configs/tiny.yaml", f"model.path={model}", f"run_dir={tmp_path}/run", "num_rollout=1",
+                   "rollout_batch_size=8", "global_batch_size=128", "data.apply_chat_template=true",
+                   "logging.plot=false", "--no-progress")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert open(tmp_path / "run" / "hf" / "chat_template.jinja").read() == template
+
+
+def refused(*overrides):
+    res = lockstep("run", "configs/tiny.yaml", *overrides, "--no-progress", timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.startswith("lockstep: error:")]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def test_bad_rows_in_error_mode_stop_before_anything_starts(tmp_path):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "1+2=", "label": "3"}, "{oops"])
+    line = refused(f"run_dir={tmp_path}/run", f"data.prompt_data={data}", "data.on_bad_row=error")
+    assert line.endswith("d.jsonl:2: invalid JSON (set data.on_bad_row=skip to skip such rows)")
+    assert not os.path.exists(tmp_path / "run")  # nothing was started or written
+
+
+def test_checkpoints_and_configs_that_cannot_train_are_refused_in_one_line(tmp_path):
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    empty = tmp_path / "no-weights"
+    shutil.copytree(model, empty)
+    for name in os.listdir(empty):
+        if name.endswith(".safetensors"):
+            os.unlink(empty / name)
+    assert "has no *.safetensors weights" in refused(f"model.path={empty}", f"run_dir={tmp_path}/a")
+    assert "model.path is empty" in refused("model.path=", f"run_dir={tmp_path}/b")
+    assert "n_samples_per_prompt=1 leaves none" in refused("rollout.n_samples_per_prompt=1", "global_batch_size=32",
+                                                           f"run_dir={tmp_path}/c")
+    small = tmp_path / "small-vocab"
+    shutil.copytree(model, small)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["vocab_size"] = 10
+    (small / "config.json").write_text(json.dumps(cfg))
+    assert "do not belong together" in refused(f"model.path={small}", f"run_dir={tmp_path}/d")

@@ -412,7 +412,7 @@ class AlgoConfig:
     grpo_std_normalization: bool = True
     """Divide group-centred rewards by the group std (dr_grpo turns it off)."""
     gamma: float = 1.0
-    """Discount of per-token returns (reinforce_plus_plus*, ppo) (Miles: --gamma)."""
+    """Discount of per-token returns (reinforce_plus_plus, ppo; reinforce_plus_plus_baseline is undiscounted) (Miles: --gamma)."""
     lambd: float = 1.0
     """GAE lambda (ppo) (Miles: --lambd)."""
     use_rollout_logprobs: bool = False
@@ -445,6 +445,10 @@ class AlgoConfig:
             raise ConfigError(f"algo.eps_clip_c must be > 1 (got {self.eps_clip_c}): it caps -A * ratio at -A * eps_clip_c")
         if not 0 < self.gamma <= 1 or not 0 <= self.lambd <= 1:
             raise ConfigError("algo.gamma must be in (0, 1] and algo.lambd in [0, 1]")
+        if self.advantage_estimator == "reinforce_plus_plus_baseline" and self.gamma != 1:
+            raise ConfigError("algo.advantage_estimator=reinforce_plus_plus_baseline broadcasts (reward - group mean)"
+                              " to every token undiscounted (Miles' definition): algo.gamma must be 1 (for"
+                              " discounted returns use reinforce_plus_plus)")
         if not 0 < self.icepop_low < 1 < self.icepop_high:
             raise ConfigError("algo.icepop_low must be in (0, 1) and algo.icepop_high > 1")
 

@@ -85,6 +85,11 @@ def token_advantages(batch: RolloutBatch, local: list[int], scores: Scores | Non
         kl = None
         if cfg.kl_coef and scores is not None and scores.ref_logp_R is not None:
             kl = A.kl_estimate_np(scores.old_logp_R[sl], scores.ref_logp_R[sl])
+        if cfg.advantage_estimator == "reinforce_plus_plus_baseline":
+            # Miles/slime/verl: the sample's (reward - group mean) on every token, minus that token's own
+            # KL penalty; no discounting, no sum of later tokens' KL (gamma does not apply).
+            raw[sl] = rewards[i] - (cfg.kl_coef * kl if kl is not None else 0.0)
+            continue
         r = np.zeros(n)
         if kl is not None:
             r -= cfg.kl_coef * kl

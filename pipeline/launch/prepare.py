@@ -44,7 +44,7 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.model.path:
         if not os.path.isdir(cfg.model.path):
             raise UserError(f"model.path {cfg.model.path!r} is not a directory: point it at a Hugging Face checkpoint")
-        from pipeline.models.hf_io import read_model_args
+        from pipeline.models.hf_config import read_model_args
 
         args = read_model_args(cfg.model.path)
         validate(cfg, args)
@@ -117,12 +117,20 @@ def check_memory(cfg: RunConfig, profile=None) -> None:
 
 
 def _gpu_visible(cfg: RunConfig) -> bool:
-    """Whether `auto` devices would pick a GPU here (torch is imported only when a device is `auto`)."""
+    """Whether `auto` devices would pick a GPU here, without importing torch (seconds of every start-up):
+    a GPU that nvidia-smi lists (and CUDA_VISIBLE_DEVICES does not hide), or a ROCm device node."""
     if "auto" not in (cfg.train.device, getattr(cfg.engine, "device", "cuda")):
         return False  # only explicit devices: local_placement does not ask
-    import torch
-
-    return torch.cuda.is_available()
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return out.returncode == 0 and any(line.startswith("GPU ") for line in out.stdout.splitlines())
+    return os.path.exists("/dev/kfd")  # ROCm
 
 
 def _detected_gpu_gib() -> float | None:

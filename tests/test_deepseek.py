@@ -15,6 +15,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.models.attention import PackedCausal
 from pipeline.models.config import ModelArgs
+from parity import hf_model, ours_logits, write_random_checkpoint
 from pipeline.models.hf_io import load_model, read_state_dict, save_model
 
 transformers = pytest.importorskip("transformers")
@@ -44,27 +45,10 @@ def ds_checkpoint(path: str, seed: int = 0, tokenizer: bool = False, rope: dict 
     cfg = transformers.DeepseekV3Config(**kw)
     if rope is not None:
         cfg.rope_parameters = {"rope_theta": 10_000.0, **rope}
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape) * 0.3)
-    model.save_pretrained(path)
+    write_random_checkpoint(cfg, path, seed)
     return path
 
 
-def hf_model(path: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def ours_logits(model, ids_BT):
-    b, t = ids_BT.shape
-    ctx = PackedCausal.from_lengths([t] * b)
-    with torch.no_grad():
-        return model(ids_BT.flatten(), ctx.positions, ctx, logits_at_M=torch.arange(b * t)).view(b, t, -1)
 
 
 # ---- the model against transformers ---------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from pipeline.errors import UserError
 from pipeline.models.attention import PackedCausal
 from pipeline.models.config import ModelArgs
+from parity import hf_model, ours_logits, write_random_checkpoint
 from pipeline.models.hf_io import load_model, read_state_dict, save_model
 from pipeline.run import RunDir
 
@@ -45,12 +46,7 @@ def hf_checkpoint(path: str, model_type: str, rope: dict | None = None, legacy: 
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     if rope is not None:
         cfg.rope_parameters = {"rope_theta": 10_000.0, **rope}
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
-    model.save_pretrained(path)
+    write_random_checkpoint(cfg, path, seed)
     if legacy:
         file = os.path.join(path, "config.json")
         raw = json.load(open(file))
@@ -64,16 +60,6 @@ def hf_checkpoint(path: str, model_type: str, rope: dict | None = None, legacy: 
     return path
 
 
-def hf_model(path: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
-def ours_logits(model, ids_BT):
-    b, t = ids_BT.shape
-    ctx = PackedCausal.from_lengths([t] * b)
-    with torch.no_grad():
-        return model(ids_BT.flatten(), ctx.positions, ctx, logits_at_M=torch.arange(b * t)).view(b, t, -1)
 
 
 # (model_type, rope, legacy form, config overrides). Positions run to 60, past the original 16, where

@@ -275,3 +275,32 @@ class VersionSync:
             self._stop.set()
         self.engines.close()
         self.link.leave()
+
+
+class SyncedTransport:
+    """The WeightTransport (base.py) methods every transport delegates to its VersionSync (`self.sync`):
+    a transport class adds only its link (join / leave / push)."""
+
+    sync: VersionSync
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        return self.sync.engines.clients
+
+    def connect(self, clients: list[EngineClient] | None = None) -> None:
+        self.sync.connect(clients)
+
+    def send(self, named_tensors: NamedTensors, version: int, pause: bool = False) -> dict:
+        return self.sync.send(named_tensors, version, pause)
+
+    def catch_up(self) -> bool:
+        return self.sync.catch_up()
+
+    def watch(self, interval_s: float = 2.0) -> None:
+        self.sync.watch(interval_s)
+
+    def live_clients(self) -> list[EngineClient]:
+        return self.sync.engines.live()
+
+    def close(self) -> None:
+        self.sync.close()

@@ -26,12 +26,12 @@ from pipeline.config.schema import WeightsConfig
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient
 from pipeline.weights.buckets import buckets_of
-from pipeline.weights.common import EngineSet, HostCache, NamedTensors, VersionSync
+from pipeline.weights.common import EngineSet, HostCache, NamedTensors, SyncedTransport, VersionSync
 
 log = logging.getLogger("lockstep.weights")
 
 
-class TensorTransport:
+class TensorTransport(SyncedTransport):
     always_pauses = True  # buckets are applied as they arrive: no decoding between two of them
 
     def __init__(self, cfg: WeightsConfig, clients: list[EngineClient], device: torch.device,
@@ -40,29 +40,6 @@ class TensorTransport:
         self.members_joined = False
         self.sync = VersionSync(cfg, self, EngineSet(clients, cfg.timeout_s, urls, api_key),
                                 HostCache(cfg.keep_host_copy, device))
-
-    # ---- WeightTransport (base.py): the shared logic in common.VersionSync ---------------------------
-    @property
-    def clients(self) -> list[EngineClient]:
-        return self.sync.engines.clients
-
-    def connect(self, clients: list[EngineClient] | None = None) -> None:
-        self.sync.connect(clients)
-
-    def send(self, named_tensors: NamedTensors, version: int, pause: bool = False) -> dict:
-        return self.sync.send(named_tensors, version, pause)
-
-    def catch_up(self) -> bool:
-        return self.sync.catch_up()
-
-    def watch(self, interval_s: float = 2.0) -> None:
-        self.sync.watch(interval_s)
-
-    def live_clients(self) -> list[EngineClient]:
-        return self.sync.engines.live()
-
-    def close(self) -> None:
-        self.sync.close()
 
     # ---- the link (common.Link): handles of the trainer's tensors -----------------------------------
     @property

@@ -35,6 +35,7 @@ from pipeline.observability.metrics import read_metrics  # noqa: E402
 from pipeline.observability.report import step_split  # noqa: E402
 from pipeline.observability.startup import read_startup, time_to_first_step  # noqa: E402
 from pipeline.run import RunDir  # noqa: E402
+from pipeline.models.hf_config import write_hf_config  # noqa: E402
 
 SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small",
          "ds-moe-small": "deepseek-v3-small"}
@@ -90,7 +91,7 @@ def write_checkpoint(out_dir: str, preset: str, device: str) -> float:
     tmp = out_dir + ".partial"
     tok = build_tiny_tokenizer(tmp)
     args = model_preset(preset, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    hf = {k: v for k, v in args.to_hf().items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    hf = {k: v for k, v in write_hf_config(args).items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
     moe = args.is_moe
     if args.is_mla:  # DeepSeek-V3
         config, cls = transformers.DeepseekV3Config(**hf), transformers.DeepseekV3ForCausalLM

@@ -417,4 +417,4 @@ def read_model_args(model_dir: str) -> ModelArgs:
     if not os.path.exists(path):
         raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
     with open(path) as f:
-        return ModelArgs.from_hf(json.load(f))
+        return read_hf_config(json.load(f))

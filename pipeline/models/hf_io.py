@@ -19,8 +19,8 @@ import torch
 from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs
 from pipeline.models.fp8 import SCALE_SUFFIX
-from pipeline.models.hf_config import read_model_args  # noqa: F401 (torch-free; kept importable here)
 from pipeline.utils.fs import atomic_dir
+from pipeline.models.hf_config import read_model_args, write_hf_config  # noqa: F401 (read_model_args: kept importable here)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -172,7 +172,7 @@ def save_model(
         shards[-1][name] = state[name]
         size += nbytes
     with atomic_dir(out_dir) as tmp:
-        hf_cfg = args.to_hf()
+        hf_cfg = write_hf_config(args)
         if dtype is not None:
             hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         if quantization_config is not None:

@@ -163,8 +163,8 @@ def plot_rewards(run_dir: str) -> str | None:
         axes[1].plot(steps, [r.get("train/rollout_logprob_max_abs_diff") for r in records], label="max")
         axes[1].set(title="|trainer - engine| logprob", xlabel="step")
         axes[1].legend()
-    for key, label in (("perf/rollout_time_s", "rollout"), ("perf/train_time_s", "train"),
-                       ("perf/weight_sync_time_s", "weight sync")):
+    phases = (("perf/rollout_time_s", "rollout"), ("perf/train_time_s", "train"), ("perf/weight_sync_time_s", "weight sync"))
+    for key, label in phases[1:2] if is_sft(records) else phases:
         axes[2].plot(steps, [r.get(key) for r in records], label=label)
     axes[2].set(title="time per step (s)", xlabel="step")
     axes[2].legend()

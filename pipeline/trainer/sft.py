@@ -69,6 +69,9 @@ class SftTrainer(loop.Trainer):
     def update_engines(self, version: int) -> dict:
         return {}
 
+    def engine_memory(self, action, tags=None) -> None:
+        pass
+
     def check_on_policy(self, metrics: dict) -> None:
         pass
 

@@ -168,6 +168,8 @@ def test_sft_config_counts_rows_and_refuses_what_it_would_ignore():
         load_config("configs/sft-tiny.yaml", ["rollout.rollout_temperature=0.7"])
     with pytest.raises(ConfigError, match="algo.kl_loss_coef=0"):
         load_config("configs/sft-tiny.yaml", ["algo.kl_loss_coef=0.1"])
+    with pytest.raises(ConfigError, match="routing_replay=false"):
+        load_config("configs/sft-tiny.yaml", ["determinism.routing_replay=true"])
     # RL's group estimator needs several samples per prompt; SFT has one row per sample
     assert load_config("configs/sft-tiny.yaml", ["rollout.n_samples_per_prompt=1"]).sft
 

@@ -753,6 +753,8 @@ class RunConfig:
         if self.algo.kl_loss_coef or self.algo.entropy_coef or self.model.mtp_num_layers or self.algo.advantage_estimator == "ppo":
             raise ConfigError("algo.loss_type=sft_loss has no KL, entropy, MTP or critic terms: set algo.kl_loss_coef=0,"
                               " algo.entropy_coef=0, model.mtp_num_layers=0 and an advantage_estimator other than ppo")
+        if self.determinism.routing_replay:
+            raise ConfigError("algo.loss_type=sft_loss has no engine routing to replay: set determinism.routing_replay=false")
 
     @property
     def sft(self) -> bool:

@@ -32,9 +32,11 @@ def cmd_run(args) -> int:
         cfg = load_config(args.config, args.overrides)
         cfg, rundir = prepare_run(cfg)
     clock.publish(rundir.startup_file(LAUNCH))
-    print(f"lockstep: run_dir {rundir.root} ({cfg.num_rollout} steps, "
-          f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
-          f"{cfg.engine.num_engines} engine(s), {cfg.train.num_gpus} trainer rank(s))", file=sys.stderr)
+    shape = (f"SFT, {cfg.samples_per_step} rows/step" if cfg.sft else
+             f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
+             f"{cfg.engine.num_engines} engine(s)")
+    print(f"lockstep: run_dir {rundir.root} ({cfg.num_rollout} steps, {shape}, {cfg.train.num_gpus} trainer rank(s))",
+          file=sys.stderr)
     run_local(cfg, rundir, progress=not args.no_progress)
     if cfg.logging.plot:
         plot_rewards(rundir.root)

@@ -424,7 +424,7 @@ def local_placement(cfg: RunConfig, gpu_visible: bool) -> Placement:
     """`lockstep run`: trainer rank r on GPU r, every engine on the default GPU 0 (beside rank 0)."""
     trainer = cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpu_visible)
     engine_device = getattr(cfg.engine, "device", "cuda")  # SGLang runs on GPUs only
-    engine = engine_device == "cuda" or (engine_device == "auto" and gpu_visible)
+    engine = not cfg.sft and (engine_device == "cuda" or (engine_device == "auto" and gpu_visible))  # SFT: none
     per_gpu = cfg.engine.num_engines
     return Placement(trainer, engine, trainer and engine, per_gpu)
 

@@ -72,6 +72,10 @@ class DataConfig:
     """Prompts longer than this many tokens are handled per `on_bad_row`."""
     on_bad_row: Literal["skip", "error"] = "skip"
     """A dataset row with a missing/ill-typed field or an oversize prompt: skip it (and count it) or stop."""
+    response_key: str = "response"
+    """algo.loss_type=sft_loss: field holding the target response text, trained on after the prompt (the
+    tokenizer's end-of-text appended). A row without it needs chat messages under input_key whose
+    assistant turns are the targets. E.g. `label` trains on the label itself."""
 
     def __post_init__(self):
         _positive("data", max_prompt_len=self.max_prompt_len)
@@ -435,6 +439,11 @@ class AlgoConfig:
     """Value-loss clip range (ppo) (Miles: --value-clip)."""
     value_loss_coef: float = 0.5
     """Weight of the value loss (ppo)."""
+    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
+    """policy_loss: RL on rollouts (engines, rewards, the estimator above). sft_loss: supervised
+    fine-tuning on data.prompt_data's prompt/response pairs or chat messages (Miles: --loss-type
+    sft_loss): mean negative log-likelihood of the response tokens (prompt tokens get no gradient);
+    no engines, rollouts or rewards; each step trains rollout_batch_size rows of the shuffled file."""
 
     def __post_init__(self):
         _positive("algo", eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, tis_clip=self.tis_clip,
@@ -677,13 +686,15 @@ class RunConfig:
     def __post_init__(self):
         _positive("", num_rollout=self.num_rollout)
         r, t = self.rollout, self.train
-        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        samples = self.samples_per_step
         if samples % t.global_batch_size:
-            raise ConfigError(
-                f"rollout_batch_size x n_samples_per_prompt ({r.rollout_batch_size} x {r.n_samples_per_prompt}"
-                f" = {samples}) must be divisible by global_batch_size ({t.global_batch_size}):"
-                f" set train.global_batch_size to a divisor of {samples}"
-            )
+            what = (f"rollout_batch_size ({samples}) rows per SFT step" if self.sft else
+                    f"rollout_batch_size x n_samples_per_prompt ({r.rollout_batch_size} x {r.n_samples_per_prompt}"
+                    f" = {samples})")
+            raise ConfigError(f"{what} must be divisible by global_batch_size ({t.global_batch_size}):"
+                              f" set train.global_batch_size to a divisor of {samples}")
+        if self.sft:
+            self.check_sft()
         if t.global_batch_size % t.num_gpus:
             raise ConfigError(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.num_gpus ({t.num_gpus})"
@@ -725,7 +736,7 @@ class RunConfig:
         if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
             raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
                               " MTP head: set model.mtp_num_layers=1")
-        if r.n_samples_per_prompt < 2 and self.algo.advantage_estimator in GROUP_ESTIMATORS:
+        if r.n_samples_per_prompt < 2 and self.algo.advantage_estimator in GROUP_ESTIMATORS and not self.sft:
             raise ConfigError(
                 f"algo.advantage_estimator={self.algo.advantage_estimator} compares each response with the others"
                 f" of its prompt, and rollout.n_samples_per_prompt=1 leaves none (every advantage 0): sample"
@@ -733,6 +744,22 @@ class RunConfig:
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")
+
+    def check_sft(self) -> None:
+        """algo.loss_type=sft_loss: settings that would make the supervised loss something else."""
+        if self.rollout.rollout_temperature != 1.0:
+            raise ConfigError(f"algo.loss_type=sft_loss trains the model's own distribution, but the trainer scores"
+                              f" at rollout.rollout_temperature ({self.rollout.rollout_temperature}): set it to 1.0")
+        if self.algo.kl_loss_coef or self.algo.entropy_coef or self.model.mtp_num_layers or self.algo.advantage_estimator == "ppo":
+            raise ConfigError("algo.loss_type=sft_loss has no KL, entropy, MTP or critic terms: set algo.kl_loss_coef=0,"
+                              " algo.entropy_coef=0, model.mtp_num_layers=0 and an advantage_estimator other than ppo")
+        if self.determinism.routing_replay:
+            raise ConfigError("algo.loss_type=sft_loss has no engine routing to replay: set determinism.routing_replay=false")
+
+    @property
+    def sft(self) -> bool:
+        """Supervised fine-tuning (algo.loss_type=sft_loss): trainers only, data straight from the file."""
+        return self.algo.loss_type == "sft_loss"
 
     @property
     def off_policy_correction(self) -> str:
@@ -747,6 +774,9 @@ class RunConfig:
 
     @property
     def samples_per_step(self) -> int:
+        """Samples one step trains on: a group per prompt (RL), one row each (SFT)."""
+        if self.sft:
+            return self.rollout.rollout_batch_size
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 
     @property

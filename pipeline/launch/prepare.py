@@ -68,8 +68,9 @@ def check_weights_present(model_dir: str) -> None:
 
 
 def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
-    """Parse and tokenize every prompt row as the rollout manager will: data.on_bad_row=error stops here
-    in one line; skipped rows are reported once (count per reason, first lines)."""
+    """Parse and tokenize every row as the rollout manager (or, for SFT, the trainer) will:
+    data.on_bad_row=error stops here in one line; skipped rows are reported once (count per reason,
+    first lines)."""
     import tempfile
 
     from pipeline.models.tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -83,7 +84,16 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
     if model_vocab is not None and tok.vocab_size > model_vocab:
         raise UserError(f"model.path {cfg.model.path!r}: the tokenizer has {tok.vocab_size} tokens but the model's"
                         f" embedding only {model_vocab} rows: they do not belong together")
-    stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
+    if cfg.sft:
+        from pipeline.rollout.sft_data import SftDataset
+
+        stats = SftDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed,
+                           max_len=cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len).stats
+        if cfg.rollout.n_samples_per_prompt != 1:
+            log.warning("lockstep: algo.loss_type=sft_loss trains each row once per step: rollout.n_samples_per_prompt"
+                        " (%d) is ignored", cfg.rollout.n_samples_per_prompt)
+    else:
+        stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
     if stats.skipped:
         print(f"lockstep: {stats.report()}", file=sys.stderr)
     else:

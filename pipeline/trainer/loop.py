@@ -307,7 +307,7 @@ def step_times(t: list[float]) -> dict[str, float]:
             "perf/weight_sync_time_s": t[3] - t[2]}
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str, trainer_cls: type[Trainer] = Trainer) -> None:
     clock = StartupClock()
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
@@ -319,6 +319,6 @@ def main(run_dir: str) -> None:
     with clock.phase("process_group"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
     try:
-        Trainer(cfg, run_dir, clock).run()
+        trainer_cls(cfg, run_dir, clock).run()
     finally:
         dist.destroy_process_group()

@@ -29,7 +29,10 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     if model.path:
         model = dataclasses.replace(model, path=os.path.abspath(os.path.expanduser(model.path)))
     data = dataclasses.replace(cfg.data, prompt_data=os.path.abspath(os.path.expanduser(cfg.data.prompt_data)))
-    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data)
+    datasets = {name: dataclasses.replace(ds, path=os.path.abspath(os.path.expanduser(ds.path)))
+                for name, ds in cfg.eval.datasets.items()}
+    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data,
+                               eval=dataclasses.replace(cfg.eval, datasets=datasets))
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -37,6 +40,9 @@ def check_inputs(cfg: RunConfig) -> None:
     against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    for name, ds in cfg.eval.datasets.items():
+        if not os.path.isfile(ds.path):
+            raise UserError(f"eval.datasets.{name} {ds.path!r} not found: point it at a JSONL file of held-out prompts")
     from pipeline.config.memory import model_args
     from pipeline.config.validate import validate
 
@@ -83,11 +89,16 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
     if model_vocab is not None and tok.vocab_size > model_vocab:
         raise UserError(f"model.path {cfg.model.path!r}: the tokenizer has {tok.vocab_size} tokens but the model's"
                         f" embedding only {model_vocab} rows: they do not belong together")
-    stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
-    if stats.skipped:
-        print(f"lockstep: {stats.report()}", file=sys.stderr)
-    else:
-        log.info("lockstep: %s", stats.report())
+    stats = [PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats]
+    if cfg.eval.datasets:  # the eval sets as the rollout manager will read them, reward functions included
+        from pipeline.rollout.evaluation import load_eval_sets
+
+        stats += [s.stats for s in load_eval_sets(cfg, tok)]
+    for st in stats:
+        if st.skipped:
+            print(f"lockstep: {st.report()}", file=sys.stderr)
+        else:
+            log.info("lockstep: %s", st.report())
 
 
 def check_memory(cfg: RunConfig, profile=None) -> None:

@@ -91,6 +91,7 @@ def summary(run_dir: str) -> str:
         f" (rollout {split['rollout_tokens_per_s']:.0f}/s, train {split['train_tokens_per_s']:.0f}/s)",
         f"total time        {sum(r.get('perf/step_time_s') or 0 for r in records):.0f}s",
     ]
+    lines += eval_lines(read_metrics(run_dir, final_eval=True))
     started = startup_line(run_dir)
     if started:
         lines.append(f"start-up          {started}")
@@ -100,6 +101,50 @@ def summary(run_dir: str) -> str:
             lines.append(f"{what:<18}{path}")
     lines += tracker_lines(run_dir)
     return "\n".join(lines)
+
+
+def eval_series(records: list[dict]) -> dict[str, list[tuple[int, dict]]]:
+    """eval set name -> [(step, {metric: value})] in step order, from the records that carry eval/<name>/*."""
+    out: dict[str, list[tuple[int, dict]]] = {}
+    for r in records:
+        found: dict[str, dict] = {}
+        for key, value in r.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval":
+                found.setdefault(parts[1], {})[parts[2]] = value
+        for name, values in found.items():
+            out.setdefault(name, []).append((r["step"], values))
+    return out
+
+
+def eval_lines(records: list[dict]) -> list[str]:
+    """Per eval set: pass@1 (and the largest k's pass@k, and the mean reward) of the first and the last
+    evaluation, with the weight versions they evaluated."""
+    lines = []
+    for name, series in eval_series(records).items():
+        (_, a), (_, b) = series[0], series[-1]
+        ks = sorted(int(k[5:]) for k in b if k.startswith("pass@"))
+        big = f", pass@{ks[-1]} {a.get(f'pass@{ks[-1]}', float('nan')):.3f} -> {b[f'pass@{ks[-1]}']:.3f}" if ks[-1:] != [1] else ""
+        lines.append(f"{'eval ' + name:<18}pass@1 {a.get('pass@1', float('nan')):.3f} (weights {a.get('weight_version')})"
+                     f" -> {b.get('pass@1', float('nan')):.3f} (weights {b.get('weight_version')}){big},"
+                     f" reward {a.get('reward_mean', float('nan')):.3f} -> {b.get('reward_mean', float('nan')):.3f};"
+                     f" {len(series)} evals of {b.get('num_prompts')} prompts x {b.get('num_samples', 0) // max(b.get('num_prompts') or 1, 1)}")
+    return lines
+
+
+def eval_table(summary: dict) -> str:
+    """An evaluation's summary.json as a table: one row per set."""
+    metrics, n = summary["metrics"], summary["n_samples_per_prompt"]
+    ks = [f"pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n]
+    head = ["set", "prompts", "samples", "reward", *ks, "resp len", "truncated", "weights"]
+    rows = [head]
+    for name in summary["sets"]:
+        m = {k.split("/", 2)[2]: v for k, v in metrics.items() if k.startswith(f"eval/{name}/")}
+        rows.append([name, str(m["num_prompts"]), str(m["num_samples"]), f"{m['reward_mean']:.3f}",
+                     *(f"{m[k]:.3f}" for k in ks), f"{m['response_len_mean']:.2f}", f"{m['truncated_frac']:.3f}",
+                     str(m["weight_version"])])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def tracker_lines(run_dir: str) -> list[str]:
@@ -125,8 +170,12 @@ def plot_rewards(run_dir: str) -> str | None:
 
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3)
+    axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3, label="rollout reward")
+    for name, series in eval_series(read_metrics(run_dir, final_eval=True)).items():  # at the version evaluated
+        axes[0].plot([s for s, _ in series], [v.get("pass@1") for _, v in series], marker="s", ms=4,
+                     label=f"eval {name} pass@1")
     axes[0].set(title="reward (rollout/reward_mean)", xlabel="step", ylim=(-0.02, 1.02))
+    axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r.get("train/rollout_logprob_abs_diff") for r in records], label="mean")
     axes[1].plot(steps, [r.get("train/rollout_logprob_max_abs_diff") for r in records], label="max")
     axes[1].set(title="|trainer - engine| logprob", xlabel="step")

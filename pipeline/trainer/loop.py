@@ -243,7 +243,7 @@ class Trainer:
         if self.rank != 0:
             return
         rollout = commit.get("rollout", {})
-        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf}
+        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf, **self.eval_metrics(step)}
         record.update(memory_metrics(self.device, self.engine_peak_memory))
         if sync:
             record["weights/bytes"] = sync["bytes"]
@@ -251,6 +251,17 @@ class Trainer:
             record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
             record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)
+
+    def eval_metrics(self, step: int, wait: bool = False) -> dict:
+        """eval/* of the weights of version `step` when an evaluation is due there (the rollout side
+        publishes it before committing step `step`'s rollouts, so it is there; after the last step,
+        `wait` for it)."""
+        if not self.cfg.eval.due(step, self.cfg.num_rollout):
+            return {}
+        if wait:
+            return self.layout.wait_eval(step, timeout_s=self.cfg.rollout.request_timeout_s * 50)["metrics"]
+        summary = self.layout.eval_step(step).summary()
+        return summary["metrics"] if summary else {}
 
     def engine_peak_memory(self) -> list:
         """The built-in engines' peak GPU memory (their /server_info reports it); [] when not known now."""
@@ -295,6 +306,9 @@ class Trainer:
             if self.rank == 0:
                 save_hf(state, self.cfg, self.backend.args, self.layout.hf_export, self.layout.model_dir(self.cfg))
         if self.rank == 0:
+            final = self.eval_metrics(self.cfg.num_rollout, wait=True)  # of the final weights: a record of its own
+            if final:
+                self.metrics.write({"step": self.cfg.num_rollout, **final})
             self.metrics.close()
             self.layout.request_stop()
             if self.sender:

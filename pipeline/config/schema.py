@@ -489,7 +489,8 @@ class EvalConfig:
     interval: int = 0
     """Evaluate every this many steps on the engines' current weights, and also before the first step
     and after the last (Miles: --eval-interval); 0: no evaluation during the run (`lockstep eval` still
-    evaluates eval.datasets on the result)."""
+    evaluates eval.datasets on the result). Metrics go into the record of the step evaluated (the last
+    step's record carries the final weights' evaluation)."""
     datasets: dict[str, str | EvalDatasetConfig] = field(default_factory=dict)
     """name -> JSONL path (or {path, rm_type}) of held-out prompts (Miles: --eval-prompt-data NAME PATH
     ...). Metrics are eval/<name>/*, per-sample results run_dir/eval/step_K/<name>.jsonl."""
@@ -531,10 +532,21 @@ class EvalConfig:
     def enabled(self) -> bool:
         return self.interval > 0 and bool(self.datasets)
 
-    def due(self, step: int, num_rollout: int) -> bool:
-        """Whether the weights of version `step` are evaluated: every `interval` steps from the first
-        (version 0, before any training) and after the last (version num_rollout)."""
-        return self.enabled and (step % self.interval == 0 or step == num_rollout) and 0 <= step <= num_rollout
+    def due(self, version: int, num_rollout: int) -> bool:
+        """Whether the weights of `version` (after that many steps) are evaluated: every `interval` from
+        version 0 (before any training) and the final one, num_rollout. Version num_rollout - 1 is left
+        out: the final evaluation, a step later, takes its place in the last step's record."""
+        if not self.enabled or not 0 <= version <= num_rollout:
+            return False
+        return version == num_rollout or (version % self.interval == 0 and version != num_rollout - 1)
+
+    def version_in_record(self, step: int, num_rollout: int) -> int | None:
+        """The weights version whose evaluation metrics.jsonl's record of `step` carries: `step` (the
+        weights its rollouts came from in sync mode), the final version in the last record, or None.
+        One record per step, so every consumer that counts steps stays right."""
+        if step == num_rollout - 1 and self.due(num_rollout, num_rollout):
+            return num_rollout
+        return step if self.due(step, num_rollout) else None
 
 
 @dataclass

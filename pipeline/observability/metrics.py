@@ -1,9 +1,7 @@
 """metrics.jsonl: one JSON object per step, appended and fsynced by trainer rank 0 (the sink that is
 always on; the run summary, reward.png and the nightly report read it).
 
-Keys are namespaced: rollout/*, train/*, perf/*, weights/*, eval/*. With eval.interval one more
-record follows the last step: {"step": num_rollout, "eval/...": ...}, the evaluation of the final
-weights; readers that count steps do not get it unless they ask (read_metrics(final_eval=True)). A reader ignores a torn last line (a
+Keys are namespaced: rollout/*, train/*, perf/*, weights/*, eval/*. A reader ignores a torn last line (a
 kill in the middle of an append), so the file is always readable. NaN is written as null, +-inf as
 +-1e308 (JSON has neither).
 """
@@ -30,7 +28,7 @@ class JsonlSink:
         self.path = RunDir(run_dir).metrics
         # On resume drop records of steps that will be re-run (and a torn last line), so the file has
         # one line per step.
-        kept = [r for r in read_metrics(run_dir, final_eval=True) if r.get("step", -1) < start_step]
+        kept = [r for r in read_metrics(run_dir) if r.get("step", -1) < start_step]
         with open(self.path, "w") as f:
             for r in kept:
                 f.write(json.dumps(r, sort_keys=True) + "\n")
@@ -49,13 +47,7 @@ class JsonlSink:
         pass  # every write is already on disk
 
 
-def is_eval_only(record: dict) -> bool:
-    """The record of the final weights' evaluation (no step ran there)."""
-    return all(k == "step" or k.startswith("eval/") for k in record)
-
-
-def read_metrics(run_dir: str, final_eval: bool = False) -> list[dict]:
-    """One record per step; final_eval: and the final evaluation's record after them, if any."""
+def read_metrics(run_dir: str) -> list[dict]:
     path = RunDir(run_dir).metrics
     if not os.path.exists(path):
         return []
@@ -66,4 +58,4 @@ def read_metrics(run_dir: str, final_eval: bool = False) -> list[dict]:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # torn final line
-    return out if final_eval else [r for r in out if not is_eval_only(r)]
+    return out

@@ -91,7 +91,7 @@ def summary(run_dir: str) -> str:
         f" (rollout {split['rollout_tokens_per_s']:.0f}/s, train {split['train_tokens_per_s']:.0f}/s)",
         f"total time        {sum(r.get('perf/step_time_s') or 0 for r in records):.0f}s",
     ]
-    lines += eval_lines(read_metrics(run_dir, final_eval=True))
+    lines += eval_lines(records)
     started = startup_line(run_dir)
     if started:
         lines.append(f"start-up          {started}")
@@ -118,17 +118,17 @@ def eval_series(records: list[dict]) -> dict[str, list[tuple[int, dict]]]:
 
 
 def eval_lines(records: list[dict]) -> list[str]:
-    """Per eval set: pass@1 (and the largest k's pass@k, and the mean reward) of the first and the last
-    evaluation, with the weight versions they evaluated."""
+    """Per eval set: pass@1 (and pass@n for n samples per prompt) of the first and the last evaluation,
+    with the weight versions they evaluated."""
     lines = []
     for name, series in eval_series(records).items():
-        (_, a), (_, b) = series[0], series[-1]
-        ks = sorted(int(k[5:]) for k in b if k.startswith("pass@"))
-        big = f", pass@{ks[-1]} {a.get(f'pass@{ks[-1]}', float('nan')):.3f} -> {b[f'pass@{ks[-1]}']:.3f}" if ks[-1:] != [1] else ""
-        lines.append(f"{'eval ' + name:<18}pass@1 {a.get('pass@1', float('nan')):.3f} (weights {a.get('weight_version')})"
-                     f" -> {b.get('pass@1', float('nan')):.3f} (weights {b.get('weight_version')}){big},"
-                     f" reward {a.get('reward_mean', float('nan')):.3f} -> {b.get('reward_mean', float('nan')):.3f};"
-                     f" {len(series)} evals of {b.get('num_prompts')} prompts x {b.get('num_samples', 0) // max(b.get('num_prompts') or 1, 1)}")
+        first, last = series[0][1], series[-1][1]
+        ks = sorted(int(k[5:]) for k in last if k.startswith("pass@"))
+        change = ", ".join(f"pass@{k} {first.get(f'pass@{k}', float('nan')):.3f} -> {last[f'pass@{k}']:.3f}"
+                           for k in sorted({1, ks[-1]}))
+        lines.append(f"{'eval ' + name:<18}{change} (weights {first.get('weight_version')} ->"
+                     f" {last.get('weight_version')}; {len(series)} evals of {last.get('num_prompts')} prompts"
+                     f" x {last.get('num_samples', 0) // max(last.get('num_prompts') or 1, 1)} samples)")
     return lines
 
 
@@ -171,9 +171,9 @@ def plot_rewards(run_dir: str) -> str | None:
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3, label="rollout reward")
-    for name, series in eval_series(read_metrics(run_dir, final_eval=True)).items():  # at the version evaluated
-        axes[0].plot([s for s, _ in series], [v.get("pass@1") for _, v in series], marker="s", ms=4,
-                     label=f"eval {name} pass@1")
+    for name, series in eval_series(records).items():  # at the weights version evaluated (the step's, or the final)
+        axes[0].plot([v.get("weight_version") for _, v in series], [v.get("pass@1") for _, v in series], marker="s",
+                     ms=4, label=f"eval {name} pass@1")
     axes[0].set(title="reward (rollout/reward_mean)", xlabel="step", ylim=(-0.02, 1.02))
     axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r.get("train/rollout_logprob_abs_diff") for r in records], label="mean")

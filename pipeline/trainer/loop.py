@@ -252,15 +252,16 @@ class Trainer:
             record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)
 
-    def eval_metrics(self, step: int, wait: bool = False) -> dict:
-        """eval/* of the weights of version `step` when an evaluation is due there (the rollout side
-        publishes it before committing step `step`'s rollouts, so it is there; after the last step,
-        `wait` for it)."""
-        if not self.cfg.eval.due(step, self.cfg.num_rollout):
+    def eval_metrics(self, step: int) -> dict:
+        """eval/* for step `step`'s record: of weights version `step` (the rollout side evaluates it before
+        committing step `step`'s rollouts, so it is there), or, in the last record, of the final weights
+        (evaluated once the engines hold them: waited for)."""
+        version = self.cfg.eval.version_in_record(step, self.cfg.num_rollout)
+        if version is None:
             return {}
-        if wait:
-            return self.layout.wait_eval(step, timeout_s=self.cfg.rollout.request_timeout_s * 50)["metrics"]
-        summary = self.layout.eval_step(step).summary()
+        if version == self.cfg.num_rollout:
+            return self.layout.wait_eval(version, timeout_s=self.cfg.rollout.request_timeout_s * 50)["metrics"]
+        summary = self.layout.eval_step(version).summary()
         return summary["metrics"] if summary else {}
 
     def engine_peak_memory(self) -> list:
@@ -306,9 +307,6 @@ class Trainer:
             if self.rank == 0:
                 save_hf(state, self.cfg, self.backend.args, self.layout.hf_export, self.layout.model_dir(self.cfg))
         if self.rank == 0:
-            final = self.eval_metrics(self.cfg.num_rollout, wait=True)  # of the final weights: a record of its own
-            if final:
-                self.metrics.write({"step": self.cfg.num_rollout, **final})
             self.metrics.close()
             self.layout.request_stop()
             if self.sender:

@@ -68,16 +68,17 @@ def parse_dataset(text: str) -> tuple[str, str]:
 
 def run_eval(target: str, datasets: list[str], overrides: list[str], out_dir: str | None) -> tuple[dict, EvalDir]:
     """Start the engine(s), evaluate, stop them; (summary, where the files are)."""
-    from pipeline.launch.local import Supervisor
-    from pipeline.launch.prepare import check_weights_present
-    from pipeline.models.tokenizer import load_tokenizer
-    from pipeline.rollout.client import EnginePool
-    from pipeline.rollout.evaluation import Evaluator, load_eval_sets
-
     cfg, model_dir, out, step = eval_config(target, datasets, overrides)
     out = EvalDir(os.path.abspath(out_dir)) if out_dir else out
     if out is None:
         raise UserError("give --out DIR for the results of evaluating a model directory")
+    from pipeline.launch.local import Supervisor  # heavy imports (torch) after the instant checks
+    from pipeline.launch.prepare import check_weights_present
+    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.rollout.client import EnginePool
+    from pipeline.rollout.eval_data import load_eval_sets
+    from pipeline.rollout.evaluation import Evaluator
+
     check_weights_present(model_dir)
     tokenizer = load_tokenizer(model_dir)
     sets = load_eval_sets(cfg, tokenizer)  # bad data or reward refused before an engine starts

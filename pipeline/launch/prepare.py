@@ -91,7 +91,7 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
                         f" embedding only {model_vocab} rows: they do not belong together")
     stats = [PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats]
     if cfg.eval.datasets:  # the eval sets as the rollout manager will read them, reward functions included
-        from pipeline.rollout.evaluation import load_eval_sets
+        from pipeline.rollout.eval_data import load_eval_sets
 
         stats += [s.stats for s in load_eval_sets(cfg, tok)]
     for st in stats:

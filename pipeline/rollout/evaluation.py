@@ -14,52 +14,25 @@ an evaluation is reproducible and independent of batching and of which engine an
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import time
 import zlib
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from pipeline.algo.eval_metrics import ScoredSample, eval_summary
 from pipeline.config.schema import RunConfig
-from pipeline.errors import UserError
 from pipeline.models.tokenizer import Tokenizer
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EnginePool, Generation
-from pipeline.rollout.data import DatasetStats, Prompt, PromptDataset
-from pipeline.rollout.rewards import RewardFn, resolve_reward, score
+from pipeline.rollout.data import Prompt
+from pipeline.rollout.eval_data import EvalSet, load_eval_sets
+from pipeline.rollout.rewards import score
 from pipeline.run import EvalDir
 from pipeline.utils.fs import atomic_write_bytes
 
 log = logging.getLogger("lockstep.eval")
-
-
-@dataclass
-class EvalSet:
-    name: str
-    prompts: list[Prompt]
-    reward_fn: RewardFn
-    stats: DatasetStats
-
-
-def load_eval_sets(cfg: RunConfig, tokenizer: Tokenizer) -> list[EvalSet]:
-    """Every eval.datasets entry, parsed and tokenized as training prompts are (data.*): a missing or
-    empty file, or data.on_bad_row=error on a bad row, raises UserError naming it."""
-    sets = []
-    for name, ds in cfg.eval.datasets.items():
-        data = dataclasses.replace(cfg.data, prompt_data=ds.path, rollout_shuffle=False)
-        try:
-            dataset = PromptDataset(data, tokenizer, seed=cfg.rollout.rollout_seed)
-            reward_fn = resolve_reward(ds.rm_type or cfg.rollout.rm_type)
-        except UserError as e:
-            msg = str(e).replace("rollout.rm_type", "rm_type") if ds.rm_type else str(e)
-            raise UserError(f"eval.datasets.{name}: {msg}") from None
-        prompts = dataset.prompts[:cfg.eval.max_prompts] if cfg.eval.max_prompts else dataset.prompts
-        sets.append(EvalSet(name, prompts, reward_fn, dataset.stats))
-    return sets
 
 
 def eval_seed(rollout_seed: int, name: str, step: int, prompt: int, sample: int) -> int:

@@ -171,10 +171,12 @@ def plot_rewards(run_dir: str) -> str | None:
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3, label="rollout reward")
-    for name, series in eval_series(records).items():  # at the weights version evaluated (the step's, or the final)
+    evals = eval_series(records)
+    for name, series in evals.items():  # at the weights version evaluated (the step's, or the final)
         axes[0].plot([v.get("weight_version") for _, v in series], [v.get("pass@1") for _, v in series], marker="s",
                      ms=4, label=f"eval {name} pass@1")
-    axes[0].set(title="reward (rollout/reward_mean)", xlabel="step", ylim=(-0.02, 1.02))
+    axes[0].set(title="reward (rollout/reward_mean)" + (", held-out pass@1" if evals else ""), xlabel="step",
+                ylim=(-0.02, 1.02))
     axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r.get("train/rollout_logprob_abs_diff") for r in records], label="mean")
     axes[1].plot(steps, [r.get("train/rollout_logprob_max_abs_diff") for r in records], label="max")

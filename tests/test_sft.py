@@ -170,6 +170,8 @@ def test_sft_config_counts_rows_and_refuses_what_it_would_ignore():
         load_config("configs/sft-tiny.yaml", ["algo.kl_loss_coef=0.1"])
     with pytest.raises(ConfigError, match="routing_replay=false"):
         load_config("configs/sft-tiny.yaml", ["determinism.routing_replay=true"])
+    with pytest.raises(ConfigError, match="runs no engines to evaluate on"):
+        load_config("configs/sft-tiny.yaml", ["eval.interval=5", "eval.datasets.test=data/arith/test.jsonl"])
     # RL's group estimator needs several samples per prompt; SFT has one row per sample
     assert load_config("configs/sft-tiny.yaml", ["rollout.n_samples_per_prompt=1"]).sft
 

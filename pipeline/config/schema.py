@@ -10,6 +10,7 @@ validate.py. Every error names the fix.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -496,6 +497,87 @@ class WeightsConfig:
 
 
 
+EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class EvalDatasetConfig:
+    path: str = ""
+    """JSONL file of held-out prompts, rows as in data.prompt_data (data.input_key, data.label_key,
+    data.metadata_key)."""
+    rm_type: str | None = None
+    """Reward function of this set (as rollout.rm_type); null: rollout.rm_type."""
+
+    def __post_init__(self):
+        if not str(self.path).strip():
+            raise ConfigError("path is required (name: path/to/test.jsonl, or name: {path: ..., rm_type: ...})")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Evaluate every this many steps on the engines' current weights, and also before the first step
+    and after the last (Miles: --eval-interval); 0: no evaluation during the run (`lockstep eval` still
+    evaluates eval.datasets on the result). Metrics go into the record of the step evaluated (the last
+    step's record carries the final weights' evaluation)."""
+    datasets: dict[str, str | EvalDatasetConfig] = field(default_factory=dict)
+    """name -> JSONL path (or {path, rm_type}) of held-out prompts (Miles: --eval-prompt-data NAME PATH
+    ...). Metrics are eval/<name>/*, per-sample results run_dir/eval/step_K/<name>.jsonl."""
+    n_samples_per_prompt: int = 1
+    """Responses per eval prompt; pass@k is reported for k = 1, 2, 4, ... up to it (Miles:
+    --n-samples-per-eval-prompt)."""
+    temperature: float | None = None
+    """Sampling temperature of eval responses; 0 is greedy (Miles: --eval-temperature). null:
+    rollout.rollout_temperature."""
+    top_p: float | None = None
+    """Nucleus sampling threshold of eval responses (Miles: --eval-top-p); null: rollout.rollout_top_p."""
+    max_response_len: int | None = None
+    """Most new tokens per eval response (Miles: --eval-max-response-len); null:
+    rollout.rollout_max_response_len, which it may not exceed (the engines' context is sized by it)."""
+    max_prompts: int | None = None
+    """Evaluate only the first this many prompts of each set (file order); null: all of them."""
+
+    def __post_init__(self):
+        if self.interval < 0:
+            raise ConfigError(f"eval.interval must be >= 0 (got {self.interval}; 0 turns evaluation off)")
+        _positive("eval", n_samples_per_prompt=self.n_samples_per_prompt, max_response_len=self.max_response_len,
+                  max_prompts=self.max_prompts)
+        if self.temperature is not None and self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0 (got {self.temperature}; 0 is greedy)")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"eval.top_p must be in (0, 1] (got {self.top_p})")
+        for name, ds in list(self.datasets.items()):
+            if not EVAL_NAME.match(name):
+                raise ConfigError(f"eval.datasets: name {name!r} must be letters, digits, '_', '.' or '-' (it names"
+                                  " metrics eval/<name>/* and the file eval/step_K/<name>.jsonl)")
+            if name == "summary":
+                raise ConfigError("eval.datasets: 'summary' is reserved (eval/step_K/summary.json): rename the set")
+            self.datasets[name] = ds if isinstance(ds, EvalDatasetConfig) else EvalDatasetConfig(path=ds)
+        if self.interval and not self.datasets:
+            raise ConfigError(f"eval.interval={self.interval} but eval.datasets is empty: add one"
+                              " (eval.datasets.test=path/to/test.jsonl) or set eval.interval=0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0 and bool(self.datasets)
+
+    def due(self, version: int, num_rollout: int) -> bool:
+        """Whether the weights of `version` (after that many steps) are evaluated: every `interval` from
+        version 0 (before any training) and the final one, num_rollout. Version num_rollout - 1 is left
+        out: the final evaluation, a step later, takes its place in the last step's record."""
+        if not self.enabled or not 0 <= version <= num_rollout:
+            return False
+        return version == num_rollout or (version % self.interval == 0 and version != num_rollout - 1)
+
+    def version_in_record(self, step: int, num_rollout: int) -> int | None:
+        """The weights version whose evaluation metrics.jsonl's record of `step` carries: `step` (the
+        weights its rollouts came from in sync mode), the final version in the last record, or None.
+        One record per step, so every consumer that counts steps stays right."""
+        if step == num_rollout - 1 and self.due(num_rollout, num_rollout):
+            return num_rollout
+        return step if self.due(step, num_rollout) else None
+
+
 @dataclass
 class DeterminismConfig:
     true_on_policy: bool = False
@@ -680,6 +762,8 @@ class RunConfig:
     """Checkpoints and export."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Terminal output and plots."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts between steps (and `lockstep eval`)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Submission to Slurm (`lockstep submit`); ignored by `lockstep run`."""
 
@@ -741,6 +825,11 @@ class RunConfig:
                 f"algo.advantage_estimator={self.algo.advantage_estimator} compares each response with the others"
                 f" of its prompt, and rollout.n_samples_per_prompt=1 leaves none (every advantage 0): sample"
                 " several responses per prompt (e.g. 8), or use ppo / reinforce_plus_plus")
+        e = self.eval
+        if e.max_response_len is not None and e.max_response_len > r.rollout_max_response_len:
+            raise ConfigError(f"eval.max_response_len ({e.max_response_len}) > rollout.rollout_max_response_len"
+                              f" ({r.rollout_max_response_len}): the engines' context is sized by the latter; raise it"
+                              " or shorten eval responses")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")
@@ -755,6 +844,9 @@ class RunConfig:
                               " algo.entropy_coef=0, model.mtp_num_layers=0 and an advantage_estimator other than ppo")
         if self.determinism.routing_replay:
             raise ConfigError("algo.loss_type=sft_loss has no engine routing to replay: set determinism.routing_replay=false")
+        if self.eval.interval:
+            raise ConfigError("algo.loss_type=sft_loss runs no engines to evaluate on: set eval.interval=0 and evaluate"
+                              " the result with `lockstep eval RUN_DIR --dataset NAME=PATH`")
 
     @property
     def sft(self) -> bool:

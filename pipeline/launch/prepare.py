@@ -29,7 +29,10 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     if model.path:
         model = dataclasses.replace(model, path=os.path.abspath(os.path.expanduser(model.path)))
     data = dataclasses.replace(cfg.data, prompt_data=os.path.abspath(os.path.expanduser(cfg.data.prompt_data)))
-    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data)
+    datasets = {name: dataclasses.replace(ds, path=os.path.abspath(os.path.expanduser(ds.path)))
+                for name, ds in cfg.eval.datasets.items()}
+    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data,
+                               eval=dataclasses.replace(cfg.eval, datasets=datasets))
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -37,6 +40,9 @@ def check_inputs(cfg: RunConfig) -> None:
     against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    for name, ds in cfg.eval.datasets.items():
+        if not os.path.isfile(ds.path):
+            raise UserError(f"eval.datasets.{name} {ds.path!r} not found: point it at a JSONL file of held-out prompts")
     from pipeline.config.memory import model_args
     from pipeline.config.validate import validate
 
@@ -87,17 +93,22 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
     if cfg.sft:
         from pipeline.rollout.sft_data import SftDataset
 
-        stats = SftDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed,
-                           max_len=cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len).stats
+        stats = [SftDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed,
+                            max_len=cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len).stats]
         if cfg.rollout.n_samples_per_prompt != 1:
             log.warning("lockstep: algo.loss_type=sft_loss trains each row once per step: rollout.n_samples_per_prompt"
                         " (%d) is ignored", cfg.rollout.n_samples_per_prompt)
     else:
-        stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
-    if stats.skipped:
-        print(f"lockstep: {stats.report()}", file=sys.stderr)
-    else:
-        log.info("lockstep: %s", stats.report())
+        stats = [PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats]
+    if cfg.eval.datasets:  # the eval sets as the rollout manager will read them, reward functions included
+        from pipeline.rollout.eval_data import load_eval_sets
+
+        stats += [s.stats for s in load_eval_sets(cfg, tok)]
+    for st in stats:
+        if st.skipped:
+            print(f"lockstep: {st.report()}", file=sys.stderr)
+        else:
+            log.info("lockstep: %s", st.report())
 
 
 def check_memory(cfg: RunConfig, profile=None) -> None:

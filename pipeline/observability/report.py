@@ -100,6 +100,7 @@ def summary(run_dir: str) -> str:
             f"steps             {len(records)} (weights version {records[-1].get('weights/version')})"]
     lines = head + (sft_lines(records) if is_sft(records) else rl_lines(records))
     lines += [f"total time        {sum(r.get('perf/step_time_s') or 0 for r in records):.0f}s"]
+    lines += eval_lines(records)
     started = startup_line(run_dir)
     if started:
         lines.append(f"start-up          {started}")
@@ -126,6 +127,50 @@ def rl_lines(records: list[dict]) -> list[str]:
         f"throughput        {split['tokens_per_s']:.0f} response tokens/s over whole steps"
         f" (rollout {split['rollout_tokens_per_s']:.0f}/s, train {split['train_tokens_per_s']:.0f}/s)",
     ]
+
+
+def eval_series(records: list[dict]) -> dict[str, list[tuple[int, dict]]]:
+    """eval set name -> [(step, {metric: value})] in step order, from the records that carry eval/<name>/*."""
+    out: dict[str, list[tuple[int, dict]]] = {}
+    for r in records:
+        found: dict[str, dict] = {}
+        for key, value in r.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval":
+                found.setdefault(parts[1], {})[parts[2]] = value
+        for name, values in found.items():
+            out.setdefault(name, []).append((r["step"], values))
+    return out
+
+
+def eval_lines(records: list[dict]) -> list[str]:
+    """Per eval set: pass@1 (and pass@n for n samples per prompt) of the first and the last evaluation,
+    with the weight versions they evaluated."""
+    lines = []
+    for name, series in eval_series(records).items():
+        first, last = series[0][1], series[-1][1]
+        ks = sorted(int(k[5:]) for k in last if k.startswith("pass@"))
+        change = ", ".join(f"pass@{k} {first.get(f'pass@{k}', float('nan')):.3f} -> {last[f'pass@{k}']:.3f}"
+                           for k in sorted({1, ks[-1]}))
+        lines.append(f"{'eval ' + name:<18}{change} (weights {first.get('weight_version')} ->"
+                     f" {last.get('weight_version')}; {len(series)} evals of {last.get('num_prompts')} prompts"
+                     f" x {last.get('num_samples', 0) // max(last.get('num_prompts') or 1, 1)} samples)")
+    return lines
+
+
+def eval_table(summary: dict) -> str:
+    """An evaluation's summary.json as a table: one row per set."""
+    metrics, n = summary["metrics"], summary["n_samples_per_prompt"]
+    ks = [f"pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if k <= n]
+    head = ["set", "prompts", "samples", "reward", *ks, "resp len", "truncated", "weights"]
+    rows = [head]
+    for name in summary["sets"]:
+        m = {k.split("/", 2)[2]: v for k, v in metrics.items() if k.startswith(f"eval/{name}/")}
+        rows.append([name, str(m["num_prompts"]), str(m["num_samples"]), f"{m['reward_mean']:.3f}",
+                     *(f"{m[k]:.3f}" for k in ks), f"{m['response_len_mean']:.2f}", f"{m['truncated_frac']:.3f}",
+                     str(m["weight_version"])])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def tracker_lines(run_dir: str) -> list[str]:
@@ -157,8 +202,14 @@ def plot_rewards(run_dir: str) -> str | None:
         axes[1].plot(steps, [r.get("data/epoch") for r in records])
         axes[1].set(title="epochs of the data file (data/epoch)", xlabel="step")
     else:
-        axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3)
-        axes[0].set(title="reward (rollout/reward_mean)", xlabel="step", ylim=(-0.02, 1.02))
+        axes[0].plot(steps, [r.get("rollout/reward_mean") for r in records], marker="o", ms=3, label="rollout reward")
+        evals = eval_series(records)
+        for name, series in evals.items():  # at the weights version evaluated (the step's, or the final)
+            axes[0].plot([v.get("weight_version") for _, v in series], [v.get("pass@1") for _, v in series],
+                         marker="s", ms=4, label=f"eval {name} pass@1")
+        axes[0].set(title="reward (rollout/reward_mean)" + (", held-out pass@1" if evals else ""), xlabel="step",
+                    ylim=(-0.02, 1.02))
+        axes[0].legend(loc="lower right")
         axes[1].plot(steps, [r.get("train/rollout_logprob_abs_diff") for r in records], label="mean")
         axes[1].plot(steps, [r.get("train/rollout_logprob_max_abs_diff") for r in records], label="max")
         axes[1].set(title="|trainer - engine| logprob", xlabel="step")

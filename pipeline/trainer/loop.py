@@ -240,10 +240,11 @@ class Trainer:
 
     # ---- logs, checkpoints, the end ------------------------------------------------------------------
     def log_step(self, step: int, commit: dict, train: dict, perf: dict, sync: dict) -> None:
+        evals = self.eval_metrics(step)
         if self.rank != 0:
             return
         rollout = commit.get("rollout", {})
-        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf}
+        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf, **evals}
         record.update(memory_metrics(self.device, self.engine_peak_memory))
         if sync:
             record["weights/bytes"] = sync["bytes"]
@@ -251,6 +252,20 @@ class Trainer:
             record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
             record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)
+
+    def eval_metrics(self, step: int) -> dict:
+        """eval/* for step `step`'s record: of weights version `step` (the rollout side evaluates it before
+        committing step `step`'s rollouts, so it is there), or, in the last record, of the final weights,
+        evaluated once the engines hold them: every rank waits for that one (a file, no collective), so
+        the checkpoint save after it does not wait out dist_timeout_s."""
+        version = self.cfg.eval.version_in_record(step, self.cfg.num_rollout)
+        if version is None:
+            return {}
+        if version == self.cfg.num_rollout:
+            summary = self.layout.wait_eval(version, timeout_s=self.cfg.rollout.request_timeout_s * 50)
+        else:
+            summary = self.layout.eval_step(version).summary()
+        return summary["metrics"] if summary else {}
 
     def engine_peak_memory(self) -> list:
         """The built-in engines' peak GPU memory (their /server_info reports it); [] when not known now."""

@@ -114,14 +114,17 @@ def multidigit_splits(n_sft: int = 20000, n_train: int = 20000, n_test_per_digit
 
     def draw(n: int, top: int) -> list[tuple]:
         seen: dict[str, tuple] = {}
-        # one-digit first operands have only 10 x 10 x 3 problems: their share follows a length drawn
-        # uniformly, capped by what exists
-        while len(seen) < n:
+        # lengths are drawn uniformly; short ones have few problems (235 with a one-digit first operand), so
+        # their share is capped by what exists, and asking for more distinct problems than exist is refused
+        for _ in range(50 * n + 10_000):
+            if len(seen) == n:
+                return list(seen.values())
             p = multidigit_problem(rng, rng.randint(1, top))
             key = f"{p[0]}{p[1]}{p[2]}"
             if key not in test:
                 seen.setdefault(key, p)
-        return list(seen.values())
+        raise ValueError(f"only {len(seen)} distinct problems of up to {top} digits found, {n} asked for:"
+                         " ask for fewer rows or allow longer operands")
 
     return {"sft": [multidigit_row(*p, with_response=True) for p in draw(n_sft, sft_max_digits)],
             "train": [multidigit_row(*p, with_response=False) for p in draw(n_train, max_digits)],

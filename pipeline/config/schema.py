@@ -100,7 +100,7 @@ class RolloutConfig:
     rollout_seed: int = 42
     """Seed of prompt order and of every request's sampling seed (Miles: --rollout-seed)."""
     rm_type: str = "arith"
-    """Reward function: a registry name (arith, exact_match, math) or a dotted path `module:function`."""
+    """Reward function: a registry name (arith, exact_match, final_answer, math) or a dotted path `module:function`."""
     request_timeout_s: float = 120.0
     """An engine request that takes longer than this fails and is retried on another engine."""
     max_retries: int = 3

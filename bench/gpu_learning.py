@@ -4,7 +4,7 @@ RL, trainer-engine logprob difference exactly 0 every step, all of it in under 1
 
     python bench/gpu_learning.py                     # one H200: configs/multidigit-{sft,grpo}.yaml
     python bench/gpu_learning.py --tiny              # CPU: tiny-dense, 1-2 digit problems, a few steps
-    python bench/gpu_learning.py --sft-steps 800 --rl-steps 200 --rl train.lr=1e-5   # calibrate
+    python bench/gpu_learning.py --sft-steps 150 --rl-steps 250 --rl train.lr=5e-5   # calibrate
 
 Phases, each the real job (`lockstep run`): data (`lockstep data make-multidigit`'s generator, seeded),
 SFT (trainer only; run_dir/hf is its export), RL (engine + trainer + rollout manager from that export,
@@ -53,7 +53,7 @@ TINY_SFT = [*TINY_COMMON, "model.init=tiny-dense", "rollout.rollout_batch_size=3
 TINY_RL = [*TINY_COMMON, "engine.device=cpu", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
            "train.global_batch_size=32", "rollout.rollout_max_response_len=32", "engine.max_running_requests=64",
            "eval.interval=2", "eval.n_samples_per_prompt=2", "train.lr=1e-3"]
-STEPS = {"gpu": (500, 150), "tiny": (30, 4)}  # (SFT, RL)
+STEPS = {"gpu": (300, 200), "tiny": (30, 4)}  # (SFT, RL)
 
 
 def run_phase(name: str, config: str, overrides: list[str], timeout_s: float) -> dict:
@@ -214,8 +214,8 @@ def copy_run(run_dir: str, dest: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU: tiny model, 1-2 digit problems, few steps")
-    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default 500; 30 with --tiny)")
-    p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default 150; 4 with --tiny)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default 300; 30 with --tiny)")
+    p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default 200; 4 with --tiny)")
     p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="override of the SFT config")
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE", help="override of the GRPO config")
     p.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results/h200 or cpu)")

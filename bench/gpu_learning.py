@@ -89,6 +89,7 @@ def timing(run_dir: str, records: list[dict]) -> dict:
 def sft_results(run_dir: str) -> dict:
     records = read_metrics(run_dir) if os.path.isdir(run_dir) else []
     return {"steps": len(records), "loss": [r.get("train/sft_loss") for r in records],
+            "trainer_peak_gib": max((r.get("perf/trainer_peak_memory_gib") or 0.0 for r in records), default=None),
             "epochs": records[-1].get("data/epoch") if records else None, **timing(run_dir, records)}
 
 
@@ -134,6 +135,8 @@ def rl_results(run_dir: str, rm_type: str) -> dict:
             "logprob_max_abs_diff": [r.get("train/rollout_logprob_max_abs_diff") for r in records],
             "logprob_mean_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in records],
             "response_len_mean": [r.get("rollout/response_len_mean") for r in records],
+            "trainer_peak_gib": max((r.get("perf/trainer_peak_memory_gib") or 0.0 for r in records), default=None),
+            "engine_peak_gib": max((r.get("perf/engine_peak_memory_gib") or 0.0 for r in records), default=None),
             "eval": evaluations(run_dir, rm_type) if os.path.isdir(run_dir) else [], **timing(run_dir, records)}
 
 
@@ -165,6 +168,18 @@ def verdict_lines(v: dict) -> list[str]:
             f" exactly 0 every step: {ok(d)}",
             f"wall time         {w['seconds']:.0f}s (data + SFT + RL), need < {w['need_below']:.0f}s: {ok(w)}",
             f"goal              {'MET' if v['met'] else 'NOT MET'}"]
+
+
+def memory_estimate(config: str, overrides: list[str]) -> dict:
+    """Lockstep's pre-flight memory estimate of a phase (GiB) on the visible GPU, to set beside its peaks."""
+    import torch
+
+    from pipeline.config import load_config, memory
+
+    cfg = load_config(os.path.join(REPO, config), overrides)
+    est = memory.estimate(cfg, memory.local_placement(cfg, gpu_visible=True),
+                          torch.cuda.get_device_properties(0).total_memory / 2**30)
+    return {"total_gib": est.total / memory.GIB, "line": est.line()}
 
 
 def plot(results: dict, path: str) -> None:
@@ -244,6 +259,8 @@ def main() -> int:
     sft_over = [f"run_dir={sft_dir}", f"num_rollout={sft_steps}", f"data.prompt_data={data}/sft.jsonl",
                 *(TINY_SFT if a.tiny else []), *a.sft]
     remaining = lambda: a.time_limit - (time.time() - t_start)  # noqa: E731
+    if not a.tiny:
+        results["memory_estimate"] = {"sft": memory_estimate(SFT_CONFIG, sft_over)}
     results["phases"].append(run_phase("sft", SFT_CONFIG, sft_over, remaining()))
     results["sft"] = sft_results(sft_dir)
     save(results, out_dir)
@@ -253,6 +270,8 @@ def main() -> int:
     rl_over = [f"run_dir={rl_dir}", f"num_rollout={rl_steps}", f"model.path={RunDir(sft_dir).hf_export}",
                f"data.prompt_data={data}/train.jsonl", f"eval.datasets.{EVAL_SET}={data}/test.jsonl",
                *(TINY_RL if a.tiny else []), *a.rl]
+    if not a.tiny:
+        results["memory_estimate"]["rl"] = memory_estimate(RL_CONFIG, rl_over)
     results["phases"].append(run_phase("rl", RL_CONFIG, rl_over, remaining()))
     from pipeline.config import load_config
 

@@ -125,8 +125,16 @@ class RolloutConfig:
     """fully_async: how many versions rollouts may run ahead; older samples are dropped by the trainer."""
     tito_checks: bool = True
     """Report rollout/tito_* (re-tokenisation drift, alternate EOS, special tokens in responses)."""
+    generate_fn: str = "pipeline.rollout.single_turn:generate"
+    """The rollout function, `module:function` (sync or async): (sample, engine) -> Trajectory, one
+    sample's turns (multi-turn, tools, environments; README "Multi-turn and agentic rollouts"). The
+    default is single-turn (Miles: --custom-generate-function-path)."""
 
     def __post_init__(self):
+        module, sep, attr = self.generate_fn.partition(":")
+        if not (sep and module and attr):
+            raise ConfigError(f"rollout.generate_fn {self.generate_fn!r}: write it as module:function"
+                              " (e.g. pipeline.rollout.envs.calculator:generate)")
         _positive(
             "rollout",
             rollout_batch_size=self.rollout_batch_size,

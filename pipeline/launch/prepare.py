@@ -37,6 +37,9 @@ def check_inputs(cfg: RunConfig) -> None:
     against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    from pipeline.rollout.functions import resolve_generate_fn
+
+    resolve_generate_fn(cfg.rollout.generate_fn)  # importable, and a function (one line if not)
     from pipeline.config.memory import model_args
     from pipeline.config.validate import validate
 

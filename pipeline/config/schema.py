@@ -223,6 +223,12 @@ class LocalEngineConfig(EngineCommon):
     speculative decoding or routing records, which run step by step). Off by default: on the H200 its
     first version ran at 0.67-1.06x of step-by-step decode; the pinned copies since then have not been
     measured on a GPU yet (BENCHMARKS.md, bench/engine_bench.py --overlap)."""
+    prefix_cache_tokens: int = 0
+    """Prefix cache (SGLang's radix cache, keyed by token ids): a finished request's KV is kept, and a request
+    that starts with the same ids prefills only the rest, so a multi-turn trajectory's next turn (sent to
+    the same engine: sticky sessions) recomputes only what the environment appended. Up to this many
+    tokens are kept (least recently used go first; flushed with every weight update); 0: off. Reported
+    as rollout/prefix_cache_hit_rate. Logprobs equal those without it, bit for bit, in true on-policy mode."""
     sampling_backend: Literal["triton", "pytorch"] = "triton"
     """How a GPU engine samples (SGLang --sampling-backend; there flashinfer | pytorch): triton = one fused
     Triton pass over the logits for batches without top-p/top-k (1.2-2.2x decode at batch 64-256 on the

@@ -6,7 +6,9 @@ of) a kept sequence gets those rows copied into its slot and prefills only the r
 conversation's next turn (the previous turn's input + output + the environment's ids) recomputes only
 the environment's tokens, and a group's samples share their prompt. A kept sequence that extends
 another replaces it (a session keeps its latest turn); the least recently used go first when the
-cache holds more than `max_tokens` tokens. Entries are flushed with new weights.
+cache holds more than `max_tokens` tokens. Entries are flushed with new weights. Lookups go through
+rolling hashes of every prefix (O(length) per request, like walking a radix tree; a prefix shared by
+several entries points at the latest of them).
 
 In true on-policy mode the reused rows are the rows a full prefill computes, bit for bit
 (batch-invariant kernels: a position's keys and values do not depend on how many tokens were
@@ -18,72 +20,88 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
 @dataclass
 class Entry:
-    ids: np.ndarray  # [n] the tokens whose rows are kept
-    rows: list[torch.Tensor]  # the cache's own per-tensor rows of those n positions (KVCache.read)
+    ids: list[int]  # the tokens whose rows are kept
+    rows: list[torch.Tensor]  # the cache's own per-tensor rows of those positions (KVCache.read)
     routing: torch.Tensor | None  # [n, moe_layers, k] int16, or None if the request recorded none
+    hashes: list[int]  # prefix_hashes(ids)
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if len(diff) else m
+def prefix_hashes(ids: list[int]) -> list[int]:
+    """h[j] identifies ids[:j+1] (a rolling hash: one pass, so a lookup costs O(len), not O(entries))."""
+    out, h = [], 0
+    for t in ids:
+        h = hash((h, t))
+        out.append(h)
+    return out
 
 
 class PrefixCache:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
+        self.index: dict[int, int] = {}  # prefix hash -> the entry that last kept that prefix
+        self.whole: dict[int, int] = {}  # hash of an entry's whole sequence -> the entry
         self.tokens = 0
         self.next_key = 0
         self.stats = {"queried_tokens": 0, "hit_tokens": 0, "stored_tokens": 0}
 
     def match(self, ids: list[int], limit: int, need_routing: bool) -> tuple[int, Entry | None]:
         """The longest kept prefix of `ids` (at most `limit` tokens) and its entry; counts the lookup."""
-        q = np.asarray(ids, dtype=np.int64)
-        best, best_key = 0, None
-        for key, e in self.entries.items():
-            if need_routing and e.routing is None:
-                continue
-            n = min(common_prefix(e.ids, q), limit)
-            if n > best:
-                best, best_key = n, key
         self.stats["queried_tokens"] += len(ids)
-        self.stats["hit_tokens"] += best
-        if best_key is None:
-            return 0, None
-        self.entries.move_to_end(best_key)
-        return best, self.entries[best_key]
+        hs = prefix_hashes(ids[:limit])
+        for j in range(len(hs) - 1, -1, -1):
+            key = self.index.get(hs[j])
+            if key is None:
+                continue
+            e = self.entries[key]
+            if (need_routing and e.routing is None) or e.ids[:j + 1] != list(ids[:j + 1]):
+                continue  # no routing rows kept / a hash collision
+            self.entries.move_to_end(key)
+            self.stats["hit_tokens"] += j + 1
+            return j + 1, e
+        return 0, None
 
     def insert(self, ids: list[int], rows: list[torch.Tensor], routing: torch.Tensor | None) -> None:
         n = len(ids)
         if n == 0 or n > self.max_tokens:
             return
-        q = np.asarray(ids, dtype=np.int64)
-        for key, e in list(self.entries.items()):
-            c = common_prefix(e.ids, q)
-            if c == n and len(e.ids) >= n and (e.routing is not None or routing is None):
-                self.entries.move_to_end(key)  # already kept (as this or a longer sequence)
-                return
-            if c == len(e.ids):  # the new sequence extends a kept one: it replaces it
+        hs = prefix_hashes(ids)
+        kept = self.index.get(hs[-1])
+        if kept is not None and (self.entries[kept].routing is not None or routing is None):
+            self.entries.move_to_end(kept)  # already kept (as this or a longer sequence)
+            return
+        for h in hs:  # a kept sequence this one extends is replaced by it
+            key = self.whole.get(h)
+            if key is not None:
                 self._drop(key)
-        self.entries[self.next_key] = Entry(q, rows, routing)
-        self.next_key += 1
+        key, self.next_key = self.next_key, self.next_key + 1
+        self.entries[key] = Entry(list(ids), rows, routing, hs)
+        for h in hs:
+            self.index[h] = key
+        self.whole[hs[-1]] = key
         self.tokens += n
         self.stats["stored_tokens"] += n
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: int) -> None:
-        self.tokens -= len(self.entries.pop(key).ids)
+        e = self.entries.pop(key)
+        self.tokens -= len(e.ids)
+        for h in e.hashes:
+            if self.index.get(h) == key:
+                del self.index[h]
+        if self.whole.get(e.hashes[-1]) == key:
+            del self.whole[e.hashes[-1]]
 
     def flush(self) -> None:
         self.entries.clear()
+        self.index.clear()
+        self.whole.clear()
         self.tokens = 0
 
     @property

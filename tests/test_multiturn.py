@@ -294,3 +294,20 @@ def test_multiturn_moe_run_with_r3_is_bit_exact_and_resumes_partials(tmp_path):
                 resumed += 1
                 assert SampleStatus(int(batch.status[i])) in TRAINABLE
     assert resumed > 0, "no trajectory was aborted and resumed"
+
+
+def test_prefix_cache_index_replacement_and_eviction():
+    from pipeline.rollout.engine.prefix_cache import PrefixCache
+
+    pc = PrefixCache(max_tokens=8)
+    pc.insert([1, 2, 3], [], None)
+    pc.insert([1, 2, 3, 4, 5], [], None)  # the next turn of the same conversation replaces the last
+    assert len(pc.entries) == 1 and pc.tokens == 5
+    assert pc.match([1, 2, 3, 9], 4, False)[0] == 3 and pc.match([1, 2, 7], 3, False)[0] == 2
+    assert pc.match([1, 2, 3, 4, 5, 6], 3, False)[0] == 3  # at most `limit` (a request's last token is prefilled)
+    assert pc.match([1, 2], 2, True) == (0, None)  # no routing rows kept: no hit for a request that records them
+    pc.insert([1, 2], [], None)  # already kept inside a longer sequence
+    assert len(pc.entries) == 1
+    pc.insert([7, 8, 9, 10], [], None)  # 9 tokens > 8: the least recently used goes
+    assert [e.ids for e in pc.entries.values()] == [[7, 8, 9, 10]] and pc.match([1, 2], 2, False)[0] == 0
+    assert pc.hit_rate == (3 + 2 + 3) / (4 + 3 + 6 + 2 + 2)

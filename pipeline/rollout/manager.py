@@ -279,6 +279,13 @@ class RolloutManager:
         cfg = self.cfg.rollout
         calls, p = handle.calls, traj.prompt_len
         assert p == len(g.prompt.input_ids), "a trajectory starts with its sample's prompt (Trajectory.start)"
+        over = len(traj.tokens) - p - cfg.rollout_max_response_len
+        if over > 0:
+            # Only environment ids appended after the last turn can be past the budget (the handle ends a
+            # turn there): cut them, so the trainer's max_tokens_per_gpu holds. Nothing trains on them.
+            assert not any(traj.loss_mask[-over:]), "generated tokens past rollout_max_response_len"
+            del traj.tokens[-over:], traj.loss_mask[-over:], traj.logprobs[-over:]
+            traj.metadata["env_tokens_cut"] = over
         response = traj.response_ids
         mask = list(traj.loss_mask)
         if cfg.mask_offpolicy_in_partial_rollout:

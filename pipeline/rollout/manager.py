@@ -367,7 +367,7 @@ class RolloutManager:
                for kind in ("retokenize_drift", "alternate_eos", "special_token_in_response")},
             **spec_summary(samples),
             **turn_summary(samples),
-            **{f"rollout/reward_{k}": float(v[v == v].mean()) for k, v in batch.reward_components.items()
+            **{f"rollout/reward/{k}": float(v[v == v].mean()) for k, v in batch.reward_components.items()
                if len(batch) and (v == v).any()},
         }
 

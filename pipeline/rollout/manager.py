@@ -56,6 +56,20 @@ def undefer(s: Sample) -> Sample:
     return replace(s, status=SampleStatus.from_label(meta.pop("final_status", "completed")), metadata=meta)
 
 
+def mask_older(s: Sample, version: int) -> Sample:
+    """Zero the loss mask of the turns a sample carried over from weights older than the step's `version`
+    (a continued partial rollout's earlier turns, a deferred sample's whole response): off-policy tokens
+    do not count (rollout.mask_offpolicy_in_partial_rollout), so true on-policy holds for the rest."""
+    p = len(s.prompt_ids)
+    old = [(a, b) for a, b, v, _ in s.metadata.get("turns", ()) if v < version]
+    if not old:
+        return s
+    mask = list(s.loss_mask)
+    for a, b in old:
+        mask[a - p:b - p] = [0] * (b - a)
+    return replace(s, loss_mask=mask)
+
+
 def sampling_seed(rollout_seed: int, step: int, group: int, sample: int) -> int:
     """A per-sample seed that depends only on (seed, step, group, sample): reproducible and batch-free."""
     x = (rollout_seed * 1_000_003 + step) * 1_000_033 + group
@@ -204,6 +218,8 @@ class RolloutManager:
                     self.pending.append(g)
                 elif self.keep(g.samples):
                     g.samples = [undefer(s) for s in g.samples]
+                    if r.mask_offpolicy_in_partial_rollout:
+                        g.samples = [mask_older(s, version) for s in g.samples]
                     kept.append(g)
                 else:
                     filtered_draws.append(g.draw)

@@ -244,6 +244,11 @@ def test_generate_fn_config_errors_are_one_line():
 
         RolloutConfig(generate_fn="pipeline.rollout.single_turn")
     assert resolve_generate_fn("pipeline.rollout.envs.guessing:generate")
+    from pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match="exclude each other"):
+        load_config("configs/tiny.yaml", ["engine.prefix_cache_tokens=64", "engine.speculative_algorithm=NEXTN",
+                                          "model.mtp_num_layers=1"])
 
 
 def test_example_environments_build_their_trajectories_by_appending(dense_dir):

@@ -235,6 +235,14 @@ class LocalEngineConfig(EngineCommon):
     H200, bench/engine_bench.py --fused-sampling); pytorch = the torch path. Both give the same tokens;
     CPUs always take the torch path."""
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prefix_cache_tokens < 0:
+            raise ConfigError(f"engine.prefix_cache_tokens must be >= 0 (got {self.prefix_cache_tokens}; 0: off)")
+        if self.prefix_cache_tokens and self.speculative_algorithm:
+            raise ConfigError("engine.prefix_cache_tokens and engine.speculative_algorithm exclude each other in the"
+                              " built-in engine (the cache does not hold the draft head's KV): set one of them off")
+
 
 @dataclass
 class SglangEngineConfig(EngineCommon):

@@ -319,3 +319,54 @@ def test_prefix_cache_index_replacement_and_eviction():
     pc.insert([7, 8, 9, 10], [], None)  # 9 tokens > 8: the least recently used goes
     assert [e.ids for e in pc.entries.values()] == [[7, 8, 9, 10]] and pc.match([1, 2], 2, False)[0] == 0
     assert pc.hit_rate == (3 + 2 + 3) / (4 + 3 + 6 + 2 + 2)
+
+
+def manager_for(model_dir, pool, generate_fn, *overrides):
+    """A RolloutManager without processes: its per-sample path over an in-process engine, one sample at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.config import load_config
+    from pipeline.models.hf_io import read_model_args
+    from pipeline.rollout.manager import RolloutManager
+    from pipeline.rollout.rewards import resolve_reward
+
+    m = object.__new__(RolloutManager)
+    m.cfg = load_config("configs/tiny-calculator.yaml", ["n_samples_per_prompt=2", "rollout_batch_size=1",
+                                                          "global_batch_size=2", "rollout_max_response_len=40", *overrides])
+    m.args, m.tokenizer, m.pool = read_model_args(model_dir), load_tokenizer(model_dir), pool
+    m.sample_executor = ThreadPoolExecutor(max_workers=1)  # the in-process engine is stepped by its caller
+    m.generate_fn, m.reward_fn, m.record_routing = generate_fn, resolve_reward("arith"), False
+    return m
+
+
+def test_manager_stores_turns_counts_drift_and_resumes_with_older_turns_masked(dense_dir):
+    from pipeline.rollout.data import Prompt
+    from pipeline.rollout.manager import Group, RolloutManager
+
+    tok = load_tokenizer(dense_dir)
+    prompt = Prompt(0, tok.encode("1+2="), "3", {}, "1+2=")
+    m = manager_for(dense_dir, InProcessPool(make_engine(dense_dir)), three_turns)
+    g = m.run_group(0, Group(0, 0, prompt), 0)
+    for s in g.samples:
+        assert s.status == SampleStatus.TRUNCATED or s.status == SampleStatus.COMPLETED
+        assert [t[:2] for t in s.metadata["turns"]] == [[4, 9], [13, 18], [22, 27]] and "tito_turn_mismatch" not in s.metadata
+        assert s.loss_mask == [1] * 5 + [0] * 4 + [1] * 5 + [0] * 4 + [1] * 5 and s.reward == 1.0
+    summary = RolloutManager.summarize(RolloutBatch.from_samples(g.samples), g.samples, 1.0)
+    assert summary["rollout/tito_turn_mismatch"] == 0 and summary["rollout/turns_mean"] == 3
+    bad = manager_for(dense_dir, InProcessPool(make_engine(dense_dir)), re_encoding).run_group(0, Group(0, 0, prompt), 0)
+    summary = RolloutManager.summarize(RolloutBatch.from_samples(bad.samples), bad.samples, 1.0)
+    assert summary["rollout/tito_turn_mismatch"] > 0 and summary["rollout/tito_turn_drift_frac"] > 0
+    # abort in turn 2 at step 0, resume at step 1 on new weights (version 1): turn 1 and the cut part masked
+    m = manager_for(dense_dir, InProcessPool(make_engine(dense_dir), abort_at=(1, 2)), three_turns,
+                    "mask_offpolicy_in_partial_rollout=true")
+    g = m.run_group(0, Group(0, 0, prompt), 0)
+    assert g.samples[0].status == SampleStatus.ABORTED and len(g.samples[0].response_ids) == 5 + 4 + 2
+    engine = make_engine(dense_dir)
+    engine.weight_version = 1
+    m.pool = InProcessPool(engine)
+    g = m.run_group(1, g, 1)
+    s = g.samples[0]
+    assert s.status != SampleStatus.ABORTED and [t[2:] for t in s.metadata["turns"]] == [
+        [0, "length"], [0, "abort"], [1, "length"], [1, "length"]]
+    assert s.loss_mask == [0] * 5 + [0] * 4 + [0] * 2 + [1] * 3 + [0] * 4 + [1] * 5 and s.weight_version == 0
+    assert len(m.pool.requests) == 2  # the cut turn's continuation and turn 3

@@ -318,6 +318,8 @@ class RolloutManager:
         check = compare_calls(traj.tokens, p, traj.loss_mask, traj.logprobs, calls)
         if check.total:
             meta["tito_turn_mismatch"] = check.total
+            meta["tito_turns"] = {"input": check.input_mismatches, "output": check.output_mismatches,
+                                  "mask": check.mask_mismatches, "logprob": check.logprob_mismatches}
         spec = [c for c in calls if not c.replayed and c.spec_verify_ct]
         if spec:  # tokens after each prefill's first came from this many verify forwards
             meta["spec"] = [sum(len(c.output_ids) - 1 for c in spec), sum(c.spec_verify_ct for c in spec)]
@@ -406,9 +408,12 @@ def turn_summary(samples: list[Sample]) -> dict:
     return {
         "rollout/turns_mean": sum(len(s.metadata.get("turns", ())) for s in samples) / n,
         "rollout/tito_turn_mismatch": int(sum(s.metadata.get("tito_turn_mismatch", 0) for s in samples)),
+        # samples whose ids drifted from what the engine consumed or produced (a decode and re-encode)
+        "rollout/tito_turn_drift_frac": sum(any(s.metadata.get("tito_turns", {}).get(k) for k in ("input", "output"))
+                                            for s in samples) / n,
         "rollout/prefix_cache_hit_rate": cached / sent if sent else 0.0,
         "rollout/masked_tokens_frac": (sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
-                                    / max(sum(len(s.loss_mask) for s in samples), 1)),
+                                       / max(sum(len(s.loss_mask) for s in samples), 1)),
     }
 
 

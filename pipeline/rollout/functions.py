@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pipeline.errors import UserError
 from pipeline.rollout.base import RolloutSample
-from pipeline.rollout.handle import AsyncHandle, PoolHandle
 from pipeline.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:  # the launcher's checks resolve functions without torch (the handle's protocol imports it)
+    from pipeline.rollout.handle import PoolHandle
 
 
 def resolve_generate_fn(path: str) -> Callable:
@@ -33,9 +35,11 @@ def resolve_generate_fn(path: str) -> Callable:
     return fn
 
 
-def run_generate_fn(fn: Callable, sample: RolloutSample, handle: PoolHandle) -> Trajectory:
+def run_generate_fn(fn: Callable, sample: RolloutSample, handle: "PoolHandle") -> Trajectory:
     """Call the function (an async one in its own event loop, in this worker thread)."""
     if inspect.iscoroutinefunction(fn):
+        from pipeline.rollout.handle import AsyncHandle
+
         traj = asyncio.run(fn(sample, AsyncHandle(handle)))
     else:
         traj = fn(sample, handle)

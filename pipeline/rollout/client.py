@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.rollout import protocol
+from pipeline.rollout import protocol, tensor_bucket
 from pipeline.rollout.protocol import MemoryAction, MemoryTag
 
 
@@ -175,10 +175,16 @@ class EngineClient:
         return protocol.version_from_wire(self.request("GET", "/get_weight_version", timeout_s=timeout_s).get("weight_version"))
 
     def update_weights_from_tensor(self, named, version: int | None = None, tp_size: int = 1,
-                                   timeout_s: float | None = None) -> dict:
-        """Colocated engines (same node): tensors travel as shared-memory / CUDA IPC handles."""
-        return self.checked("/update_weights_from_tensor", protocol.update_tensor_body(named, tp_size, version),
-                            timeout_s)
+                                   timeout_s: float | None = None, flattened: bool = False) -> dict:
+        """Colocated engines (same node): tensors travel as shared-memory / CUDA IPC handles, one per
+        tensor, or (flattened) one per request: SGLang's flattened_bucket with Lockstep's metadata class,
+        which the built-in engine reads (weights/tensor.py picks SGLang's own class for SGLang)."""
+        if not flattened:
+            return self.checked("/update_weights_from_tensor", protocol.update_tensor_body(named, tp_size, version),
+                                timeout_s)
+        flat, metadata = tensor_bucket.flatten(list(named))  # alive until the engine has answered
+        return self.checked("/update_weights_from_tensor",
+                            protocol.update_flattened_bucket_body(flat, metadata, tp_size, version), timeout_s)
 
     def update_weights_from_disk(self, model_path: str, version: int | None = None,
                                  timeout_s: float | None = None) -> dict:

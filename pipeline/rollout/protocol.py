@@ -18,6 +18,8 @@ from enum import StrEnum
 
 import torch
 
+from pipeline.rollout import tensor_bucket
+
 # Lockstep-only fields, per endpoint (read by the built-in engine, ignored by SGLang).
 EXTENSIONS: dict[str, frozenset[str]] = {
     "/init_weights_update_group": frozenset({"timeout_s"}),
@@ -101,10 +103,11 @@ def update_disk_body(model_path: str, version: int | None = None) -> dict:
     return body
 
 
-def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named) -> str:
     """SGLang's MultiprocessingSerializer format: torch's ForkingPickler (CUDA tensors travel as IPC
-    handles, CPU tensors as named shared memory), base64-encoded. The receiving process
-    must run on the same node, and the tensors must stay alive until it has answered."""
+    handles, CPU tensors as named shared memory), base64-encoded. `named`: a list of (name, tensor)
+    pairs, or a flattened bucket's dict (tensor_bucket.py). The receiving process must run on the same
+    node, and the tensors must stay alive until it has answered."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
@@ -115,7 +118,10 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
         buf = io.BytesIO()
-        ForkingPickler(buf).dump([(name, t.detach()) for name, t in named])
+        if isinstance(named, dict):
+            ForkingPickler(buf).dump(named)
+        else:
+            ForkingPickler(buf).dump([(name, t.detach()) for name, t in named])
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -123,10 +129,24 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
 
 def update_tensor_body(named: Sequence[tuple[str, torch.Tensor]], tp_size: int = 1, version: int | None = None,
                        flush_cache: bool = True) -> dict:
-    """/update_weights_from_tensor (colocated engines): one serialized payload per TP rank of the engine
-    (here every rank gets the full tensors; the engine's loader shards them)."""
-    payload = serialize_named_tensors(named)
+    """/update_weights_from_tensor (colocated engines), one handle per tensor: one serialized payload
+    per TP rank of the engine (here every rank gets the full tensors; the engine's loader shards them)."""
+    return _tensor_body(serialize_named_tensors(named), None, tp_size, version, flush_cache)
+
+
+def update_flattened_bucket_body(flat: torch.Tensor, metadata: Sequence, tp_size: int = 1,
+                                 version: int | None = None, flush_cache: bool = True) -> dict:
+    """/update_weights_from_tensor with SGLang's `load_format: "flattened_bucket"`: one handle for the
+    whole bucket (`flat`, uint8) and its tensors' metadata (tensor_bucket.flatten). `flat` must stay
+    alive until every engine has answered."""
+    payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": list(metadata)})
+    return _tensor_body(payload, tensor_bucket.LOAD_FORMAT, tp_size, version, flush_cache)
+
+
+def _tensor_body(payload: str, load_format: str | None, tp_size: int, version: int | None, flush_cache: bool) -> dict:
     body = {"serialized_named_tensors": [payload] * tp_size, "flush_cache": flush_cache}
+    if load_format is not None:
+        body["load_format"] = load_format
     if version is not None:
         body["weight_version"] = version_to_wire(version)
     return body

@@ -17,6 +17,7 @@ import time
 import torch
 
 from pipeline import faults
+from pipeline.rollout import tensor_bucket
 from pipeline.rollout.protocol import version_from_wire
 from pipeline.weights.group import broadcast, create_group
 from pipeline.weights.quant import SCALE_SUFFIX, dequantize_fp8_pairs, wire
@@ -34,15 +35,21 @@ def parse_dtype(name: str) -> torch.dtype:
 
 class TensorUnpickler(pickle.Unpickler):
     """Loads the tensors of /update_weights_from_tensor and nothing else: only torch's own rebuild
-    functions, storage and dtype types, and the few containers a list of (name, tensor) needs."""
+    functions, storage and dtype types, the few containers a list of (name, tensor) needs, and a
+    flattened bucket's metadata entries (SGLang's class is read as Lockstep's twin of it, so this
+    process needs no SGLang)."""
 
     ALLOWED = {
         ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("collections", "OrderedDict"),
         ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch.storage", "UntypedStorage"),
         ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
     }
+    METADATA = {("pipeline.rollout.tensor_bucket", "FlattenedTensorMetadata"),
+                ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")}
 
     def find_class(self, module: str, name: str):
+        if (module, name) in self.METADATA:
+            return tensor_bucket.FlattenedTensorMetadata
         allowed = ((module, name) in self.ALLOWED
                    or (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
                    or (module == "torch._utils" and name.startswith("_rebuild_"))
@@ -52,14 +59,26 @@ class TensorUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+def load_named_tensors(payload: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one payload: a list of them (load_format None), or a flattened
+    bucket (tensor_bucket.LOAD_FORMAT), whose tensors come back as views of its one flat tensor."""
     import torch.multiprocessing  # noqa: F401  (torch's rebuild functions for shared memory / CUDA IPC)
 
-    named = TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
-    if not isinstance(named, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
-                                              for x in named):
+    if load_format not in (None, tensor_bucket.LOAD_FORMAT):
+        raise ValueError(f"load_format {load_format!r}: the built-in engine reads none (a list of named "
+                         f"tensors) or {tensor_bucket.LOAD_FORMAT!r}")
+    data = TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    if load_format == tensor_bucket.LOAD_FORMAT:
+        if not (isinstance(data, dict) and {"flattened_tensor", "metadata"} <= data.keys()
+                and isinstance(data["metadata"], list)
+                and all(isinstance(m, tensor_bucket.FlattenedTensorMetadata) for m in data["metadata"])):
+            raise ValueError("a flattened_bucket payload holds {'flattened_tensor': uint8 tensor, 'metadata': "
+                             "[FlattenedTensorMetadata, ...]}")
+        return tensor_bucket.reconstruct(data["flattened_tensor"], data["metadata"])
+    if not isinstance(data, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+                                             for x in data):
         raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
-    return named
+    return data
 
 
 class WeightReceiver:
@@ -141,7 +160,8 @@ class WeightReceiver:
 
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
         """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
-        per TP rank (this engine is one rank: the first). Each bucket is applied as it arrives (the
+        per TP rank (this engine is one rank: the first): a handle per tensor, or one per bucket
+        (load_format "flattened_bucket": views of one flat tensor, applied alike). Each bucket is applied as it arrives (the
         sender pauses the engine around the whole version); the one that carries weight_version must
         leave no parameter unwritten since a memory release. Tensors already on the engine's device are read in place (no staging copy): the sender keeps
         their memory until this answer, and the answer waits for the copies to finish."""
@@ -150,7 +170,7 @@ class WeightReceiver:
             return False, "serialized_named_tensors is empty"
         t0 = time.monotonic()
         try:
-            named = load_named_tensors(payloads[0])
+            named = load_named_tensors(payloads[0], body.get("load_format"))
             t1 = time.monotonic()
             unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in self.engine.params]
             if unknown:

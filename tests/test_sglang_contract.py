@@ -186,3 +186,18 @@ def test_colocated_weight_payload_loads_through_sglang_deserializer():
     assert got["dtypes"] == [str(t.dtype) for _, t in named]
     assert got["shapes"] == [list(t.shape) for _, t in named]
     assert got["sums"] == pytest.approx([float(t.double().sum()) for _, t in named], abs=0)
+
+
+def test_flattened_bucket_body_is_sglangs_and_loads_through_its_own_code():
+    """weights.tensor_format=flattened to SGLang engines: with SGLang importable (its contract environment
+    here, a trainer beside SGLang in a run), the body is SGLang's flattened_bucket exactly: fields of
+    UpdateWeightsFromTensorReqInput, a payload SGLang's restricted deserializer accepts, holding SGLang's
+    own FlattenedTensorMetadata, which SGLang's own _update_weights_from_flattened_bucket turns back
+    into the sent tensors byte for byte (bf16, FP8 e4m3 + its fp32 scale, fp32). The built-in engine's
+    reader gives the same tensors from the same payload."""
+    out = contract("flattened_bucket", {"repo": REPO})
+    assert out["metadata_class"] == "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata"
+    assert set(out["fields"]) <= set(out["sglang_fields"]), sorted(set(out["fields"]) - set(out["sglang_fields"]))
+    assert out["load_format"] == "flattened_bucket" and out["weight_version"] == "4" and out["payloads"] == 2
+    assert out["result"] == [True, "Success"]
+    assert out["sglang"] == out["sent"] and out["builtin"] == out["sent"]

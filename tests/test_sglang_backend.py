@@ -125,12 +125,13 @@ def test_colocated_tensor_update_memory_release_and_resume(dense_dir, engine_fac
     assert after.weight_version == 2
 
 
-def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory):
+@pytest.mark.parametrize("flattened", [False, True], ids=["per_tensor", "flattened"])
+def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory, flattened):
     """Issue 20: a 4B colocated run sent its version in 16 buckets (one request each) after a memory
     release; the engine counted only the last request's names as refilled and refused every /generate
     of the next step with 503, which the rollout manager retried for 5 minutes. Now the buckets
     accumulate, an update whose last bucket leaves parameters unwritten fails at once, and a refusal
-    in that state (409) is not retried."""
+    in that state (409) is not retried. The same with flattened buckets (one handle per request)."""
     eng = engine_factory(dense_dir)
     c = EngineClient(eng.url)
     before = c.generate([[5, 6, 7]], [params(6)])[0]
@@ -140,16 +141,16 @@ def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_
     c.release_memory()
     c.resume_memory([MemoryTag.WEIGHTS])
     c.resume_memory([MemoryTag.KV_CACHE])
-    c.update_weights_from_tensor(first)  # a bucket without a version
+    c.update_weights_from_tensor(first, flattened=flattened)  # a bucket without a version
     with pytest.raises(EngineStateError, match="have not been written"):
         c.generate([[5]], [params()])
     with pytest.raises(EngineError, match="incomplete after a memory release"):
-        c.update_weights_from_tensor(rest[:-1], version=1)  # the "last" bucket, one tensor short
+        c.update_weights_from_tensor(rest[:-1], version=1, flattened=flattened)  # the "last" bucket, one tensor short
     pool = EnginePool([eng.url], timeout_s=30)
     with pytest.raises(EngineStateError):
         pool.generate([[5]], [params()])
     assert pool.retries == 0  # refused at once, not retried for rollout.retry_budget_s
-    c.update_weights_from_tensor(rest[-1:], version=1)
+    c.update_weights_from_tensor(rest[-1:], version=1, flattened=flattened)
     after = c.generate([[5, 6, 7]], [params(6)])[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
 

@@ -148,3 +148,4 @@ def test_colocated_run_with_bucketed_tensor_updates(tmp_path):
     assert all(r["weights/buckets"] > 5 for r in records)  # each version arrived in several requests
     log = open(RunDir(run_dir).log_file("engine_0")).read()
     assert log.count("memory released: kv_cache, weights") == 3
+    assert "one per bucket" in open(RunDir(run_dir).log_file("trainer_0")).read()  # flattened buckets (the default)

@@ -40,6 +40,7 @@ from pipeline.rollout import protocol, tensor_bucket  # noqa: E402
 from pipeline.rollout.client import EngineClient  # noqa: E402
 from pipeline.run import wait_for  # noqa: E402
 from pipeline.weights.buckets import buckets_of  # noqa: E402
+from pipeline.weights.receiver import load_named_tensors  # noqa: E402
 from pipeline.weights.tensor import TensorTransport  # noqa: E402
 
 FORMATS = ("per_tensor", "flattened")
@@ -80,18 +81,27 @@ def export(model, bucket_bytes: int, scale: float) -> list[tuple[str, torch.Tens
     return out
 
 
-def serialize_s(named, fmt: str, reps: int = 3) -> float:
-    """Best seconds to build one bucket's body (torch's reductions: handles, events, ref counters)."""
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def one_bucket_s(named, fmt: str, reps: int = 10) -> dict:
+    """Best seconds to build one bucket's body (torch's reductions: handles, events, ref counters), and
+    on CPU to read it back as the engine does (a CUDA IPC handle cannot be opened by its own process)."""
+    def body():
         if fmt == "per_tensor":
-            protocol.update_tensor_body(named)
-        else:
-            flat, metadata = tensor_bucket.flatten(named)
-            protocol.update_flattened_bucket_body(flat, metadata)
-        best = min(best, time.perf_counter() - t0)
-    return best
+            return protocol.update_tensor_body(named)
+        return protocol.update_flattened_bucket_body(*tensor_bucket.flatten(named))
+
+    def best(fn):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    out = {"serialize_s": best(body)}
+    if named[0][1].device.type == "cpu":
+        sent = body()
+        out["load_s"] = best(lambda: load_named_tensors(sent["serialized_named_tensors"][0], sent.get("load_format")))
+    return out
 
 
 def main(argv=None):
@@ -146,7 +156,8 @@ def main(argv=None):
     for fmt in FORMATS:
         r = result[fmt]
         print(f"  {fmt:>10}: update best {r['best_s'] * 1e3:8.1f} ms, median {r['median_s'] * 1e3:8.1f} ms"
-              f" | one bucket's body built in {r['serialize_one_bucket_s'] * 1e3:7.2f} ms"
+              f" | one bucket of {r['first_bucket_tensors']}: body built in {r['one_bucket']['serialize_s'] * 1e3:6.2f} ms"
+              + (f", read back in {r['one_bucket']['load_s'] * 1e3:6.2f} ms" if "load_s" in r["one_bucket"] else "")
               f" | engine opened handles in {r['engine_open_ms_sum']:7.1f} ms (sum over buckets)"
               f" | engine == sent: {r['engine_equals_sent']}")
     print(f"  per-tensor / flattened: {result['ratio_best']:.2f}x (best), {result['ratio_median']:.2f}x (median)")
@@ -186,7 +197,7 @@ def run(model, client: EngineClient, device, reps: int, bucket_bytes: int, bucke
                 msgs = [m for m in stats["engine_messages"] if m]
                 opened = [float(m.split("handles opened in ")[1].split(" ms")[0]) for m in msgs if "handles opened" in m]
                 out[fmt] = {"buckets": stats["buckets"], "engine_equals_sent": equal and client.weight_version() == version,
-                            "serialize_one_bucket_s": serialize_s(first, fmt), "first_bucket_tensors": len(first),
+                            "one_bucket": one_bucket_s(first, fmt), "first_bucket_tensors": len(first),
                             "engine_open_ms_sum": sum(opened), "engine_messages": msgs[:3] + msgs[-1:]}
             del named
     for fmt in FORMATS:

@@ -161,10 +161,11 @@ class WeightReceiver:
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
         """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
         per TP rank (this engine is one rank: the first): a handle per tensor, or one per bucket
-        (load_format "flattened_bucket": views of one flat tensor, applied alike). Each bucket is applied as it arrives (the
-        sender pauses the engine around the whole version); the one that carries weight_version must
-        leave no parameter unwritten since a memory release. Tensors already on the engine's device are read in place (no staging copy): the sender keeps
-        their memory until this answer, and the answer waits for the copies to finish."""
+        (load_format "flattened_bucket": views of one flat tensor, applied alike). Each bucket is
+        applied as it arrives (the sender pauses the engine around the whole version); the one that
+        carries weight_version must leave no parameter unwritten since a memory release. Tensors already
+        on the engine's device are read in place (no staging copy): the sender keeps their memory until
+        this answer, and the answer waits for the copies to finish."""
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return False, "serialized_named_tensors is empty"

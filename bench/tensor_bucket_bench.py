@@ -155,9 +155,10 @@ def main(argv=None):
           f" {pt['buckets']} buckets of {bucket_mb:g} MB")
     for fmt in FORMATS:
         r = result[fmt]
+        one = r["one_bucket"]
+        read = f", read back in {one['load_s'] * 1e3:6.2f} ms" if "load_s" in one else ""
         print(f"  {fmt:>10}: update best {r['best_s'] * 1e3:8.1f} ms, median {r['median_s'] * 1e3:8.1f} ms"
-              f" | one bucket of {r['first_bucket_tensors']}: body built in {r['one_bucket']['serialize_s'] * 1e3:6.2f} ms"
-              + (f", read back in {r['one_bucket']['load_s'] * 1e3:6.2f} ms" if "load_s" in r["one_bucket"] else "")
+              f" | one bucket of {r['first_bucket_tensors']}: body built in {one['serialize_s'] * 1e3:6.2f} ms{read}"
               f" | engine opened handles in {r['engine_open_ms_sum']:7.1f} ms (sum over buckets)"
               f" | engine == sent: {r['engine_equals_sent']}")
     print(f"  per-tensor / flattened: {result['ratio_best']:.2f}x (best), {result['ratio_median']:.2f}x (median)")

@@ -6,7 +6,7 @@ What SGLang lets us import on CPU is imported and used as is (ServerArgs and its
 SamplingParams, MultiprocessingSerializer, sglang-router's parser). What does not import here
 (io_struct and the routed-experts capturer pull in torchvision through the multimodal configs) is
 read from the installed SGLang source with `ast`: the request dataclasses' field names, the HTTP
-server's routes, and the routed-experts decoder's own function body.
+server's routes, the weight updater's answers, and the routed-experts decoder's own function body.
 """
 
 from __future__ import annotations
@@ -86,6 +86,15 @@ def http_routes() -> list[str]:
                         and isinstance(d.args[0], ast.Constant) and isinstance(d.args[0].value, str)):
                     routes.append(d.args[0].value)
     return routes
+
+
+def weight_update_messages() -> list[str]:
+    """Every constant `message=` SGLang's scheduler weight updater answers with (its refusals when the
+    begin / end weight-update session protocol is broken among them)."""
+    path = sglang_file("srt", "managers", "scheduler_components", "weight_updater.py")
+    return [kw.value.value for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.Call)
+            for kw in node.keywords
+            if kw.arg == "message" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)]
 
 
 def check_sampling_params(params: list[dict]) -> list[dict]:
@@ -203,6 +212,7 @@ def main() -> None:
         import sglang
 
         result = {"version": sglang.__version__, "fields": dataclass_fields(), "routes": http_routes(),
+                  "weight_update_messages": weight_update_messages(),
                   "sampling": check_sampling_params(data["sampling"]),
                   "routed_experts": decode_routed_experts_with_sglang(data["routed_experts_b64"])}
     elif check == "int4_pack":

@@ -150,7 +150,7 @@ def test_unknown_parameter_in_a_flattened_bucket_changes_nothing(dense_dir, engi
     c = EngineClient(engine_factory(dense_dir).url)
     name = "model.norm.weight"
     before = engine_weights(c, [name])
-    with pytest.raises(EngineError, match="unknown parameter"):
+    with c.weight_update_session(), pytest.raises(EngineError, match="unknown parameter"):
         c.update_weights_from_tensor([(name, torch.zeros(64)), ("model.no_such.weight", torch.zeros(2))], version=4,
                                      flattened=True)
     assert engine_weights(c, [name]) == before and c.weight_version() == 0

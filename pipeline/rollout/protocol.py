@@ -85,6 +85,34 @@ def init_group_body(*, master_address: str, master_port: int, rank_offset: int, 
             "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s}
 
 
+class WeightSelector(StrEnum):
+    """Which model runners a weight-update session covers (SGLang's `selector`: the target model, the
+    speculative draft model, or both)."""
+
+    TARGET = "target"
+    DRAFT = "draft"
+    ALL = "all"
+
+
+# SGLang's answers (scheduler_components/weight_updater.py) when the session protocol is broken; the
+# built-in engine gives the same ones. Since SGLang 0.5.2x /update_weights_from_tensor and
+# /update_weights_from_distributed run only inside a session: POST /begin_weight_update before a
+# version's first bucket, /end_weight_update after its last (/update_weights_from_disk needs none).
+SESSION_REQUIRED = "{endpoint} must run between begin_weight_update() and end_weight_update()"
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SESSION_NOT_OPEN = "no weight-update session is open; call begin_weight_update() first"
+
+
+def begin_weight_update_body(selector: WeightSelector = WeightSelector.ALL) -> dict:
+    """/begin_weight_update: open the session the next version's buckets run in."""
+    return {"selector": WeightSelector(selector).value}
+
+
+def end_weight_update_body() -> dict:
+    """/end_weight_update: close the open session (SGLang runs post_load_weights if nothing was loaded)."""
+    return {}
+
+
 def update_distributed_body(bucket: Sequence[tuple[str, torch.Tensor]], group_name: str,
                             version: int | None) -> dict:
     """Metadata of one broadcast bucket; the bucket that carries `weight_version` is the last one, the

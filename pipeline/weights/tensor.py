@@ -2,8 +2,9 @@
 trainer's memory.
 
 Per bucket, rank 0 posts SGLang's /update_weights_from_tensor with the bucket serialized as handles
-(CUDA IPC on GPUs; named shared memory on CPU), `weight_version` on the last one, and waits for
-every engine's answer before the next: the engine has copied out of the handle by then, so the
+(CUDA IPC on GPUs; named shared memory on CPU), `weight_version` on the last one, inside the
+weight-update session common.py opens around every push, and waits for every engine's answer before
+the next: the engine has copied out of the handle by then, so the
 trainer may reuse the memory. weights.tensor_format=flattened (the default) shares one flat uint8
 tensor per bucket with its tensors' metadata (SGLang's "flattened_bucket", rollout/tensor_bucket.py):
 one handle, event and ref-counter entry per bucket instead of per tensor, which is what a MoE's

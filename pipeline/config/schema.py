@@ -492,6 +492,14 @@ class WeightsConfig:
     weights while training stays in model.dtype: use TIS (algo.off_policy_correction=tis) and watch
     train/rollout_logprob_abs_diff."""
 
+    tensor_format: Literal["flattened", "per_tensor"] = "flattened"
+    """type=tensor: how a bucket's tensors are shared with the engines. flattened: one handle per bucket
+    (SGLang's load_format "flattened_bucket": one flat uint8 tensor plus each tensor's name, dtype, shape
+    and byte range); per_tensor: one handle per tensor (torch's CUDA IPC makes a handle, an event and a
+    ref-counter entry for each: ~3,500 per version of a 128-expert MoE). SGLang engines get flattened
+    only when the trainer can import SGLang (the payload names SGLang's metadata class), else
+    per_tensor, said once in the log."""
+
     def __post_init__(self):
         _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
 

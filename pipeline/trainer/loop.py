@@ -191,7 +191,8 @@ class Trainer:
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = make_transport(self.cfg.weights, clients, self.device, host,
                                      publish_path=rundir.weights_file,
-                                     urls=lambda: rundir.current_engine_urls(n), api_key=key)
+                                     urls=lambda: rundir.current_engine_urls(n), api_key=key,
+                                     engine_type=self.cfg.engine.type)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()

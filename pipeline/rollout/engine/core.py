@@ -163,7 +163,9 @@ class Engine:
         self.model_lock = threading.Lock()
         self.paused = False
         self.weight_version = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
+        # weight_sessions_*: SGLang weight-update sessions begun / ended (the server's WeightReceiver)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0,
+                      "weight_sessions_begun": 0, "weight_sessions_ended": 0}
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
         self.released: set[MemoryTag] = set()  # tags whose memory is given back

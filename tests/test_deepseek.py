@@ -14,8 +14,9 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.models.attention import PackedCausal
-from pipeline.models.config import ModelArgs
+from parity import hf_model, ours_logits, write_random_checkpoint
 from pipeline.models.hf_io import load_model, read_state_dict, save_model
+from pipeline.models.hf_config import read_hf_config, write_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,27 +45,10 @@ def ds_checkpoint(path: str, seed: int = 0, tokenizer: bool = False, rope: dict 
     cfg = transformers.DeepseekV3Config(**kw)
     if rope is not None:
         cfg.rope_parameters = {"rope_theta": 10_000.0, **rope}
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape) * 0.3)
-    model.save_pretrained(path)
+    write_random_checkpoint(cfg, path, seed)
     return path
 
 
-def hf_model(path: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def ours_logits(model, ids_BT):
-    b, t = ids_BT.shape
-    ctx = PackedCausal.from_lengths([t] * b)
-    with torch.no_grad():
-        return model(ids_BT.flatten(), ctx.positions, ctx, logits_at_M=torch.arange(b * t)).view(b, t, -1)
 
 
 # ---- the model against transformers ---------------------------------------------------------------
@@ -102,7 +86,7 @@ def test_logits_match_transformers_and_export_reloads(case, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=1e-5, atol=2e-5)
     written = json.load(open(tmp_path / "out" / "config.json"))
-    assert written["model_type"] == "deepseek_v3" and ModelArgs.from_hf(written) == args
+    assert written["model_type"] == "deepseek_v3" and read_hf_config(written) == args
     if rope is not None:
         assert written["rope_parameters"]["mscale_all_dim"] == YARN["mscale_all_dim"]
 
@@ -117,7 +101,7 @@ def test_router_matches_transformers():
     cfg = transformers.DeepseekV3Config(**dict(TINY, n_routed_experts=32, num_experts_per_tok=6, n_group=8,
                                                topk_group=3, hidden_size=24))
     theirs = DeepseekV3TopkRouter(cfg)
-    ours = TopkRouter(ModelArgs.from_hf(cfg.to_dict()))
+    ours = TopkRouter(read_hf_config(cfg.to_dict()))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         theirs.weight.copy_(torch.randn(theirs.weight.shape, generator=gen))
@@ -199,7 +183,7 @@ def test_absorbed_attention_equals_expanded_up_to_rounding(ds_dir):
 def test_engine_is_bit_identical_to_the_trainer_in_batch_invariant_mode(ds_dir):
     """True on-policy: the engine's logprobs (latent cache, decode expanded) equal the packed training
     forward's bit for bit, and its recorded experts replayed in that forward match the live ones."""
-    from pipeline.models.qwen3 import MoeRouting
+    from pipeline.models.decoder_layer import MoeRouting
 
     from lockstep_kernels import batch_invariant_mode
 
@@ -239,7 +223,8 @@ def test_replay_takes_the_trace_experts_with_their_sigmoid_weights(ds_dir):
     weighted by their sigmoid scores normalised and scaled as the model does (not by the correction
     bias, which only selects), and the mismatch counts the differing tokens."""
     from pipeline.models.deepseek import NORM_EPS
-    from pipeline.models.qwen3 import MoeRouting, run_experts
+    from pipeline.models.decoder_layer import MoeRouting
+    from pipeline.models.layers import run_experts
 
     _, model = load_model(ds_dir)
     moe = model.model.layers[1].mlp
@@ -289,14 +274,14 @@ DEEPSEEK_V3 = {
 def test_published_config_is_read_and_written_back():
     from pipeline.models.rope import mla_softmax_scale
 
-    args = ModelArgs.from_hf(copy.deepcopy(DEEPSEEK_V3))
+    args = read_hf_config(copy.deepcopy(DEEPSEEK_V3))
     assert args.model_type == "deepseek_v3" and args.moe_layers == list(range(3, 61))
     assert (args.head_dim, args.rope_dim, args.num_experts, args.mtp_num_hidden_layers) == (192, 64, 256, 1)
     assert args.rope_scaling.rope_type == "yarn" and args.rope_interleave
     assert 670e9 < args.num_params() < 672e9  # DeepSeek-V3's 671B without the MTP layer
     assert mla_softmax_scale(args) == pytest.approx(192 ** -0.5 * (0.1 * 1.0 * __import__("math").log(40) + 1) ** 2)
-    written = args.to_hf()
-    assert ModelArgs.from_hf(written) == args and "auto_map" not in written
+    written = write_hf_config(args)
+    assert read_hf_config(written) == args and "auto_map" not in written
     assert written["rope_scaling"] == DEEPSEEK_V3["rope_scaling"] and written["scoring_func"] == "sigmoid"
     theirs = transformers.AutoConfig.for_model(**{k: v for k, v in written.items() if k != "architectures"})
     assert theirs.qk_head_dim == 192 and theirs.head_dim == 64
@@ -323,7 +308,7 @@ def _edit(**changes):
 ], ids=lambda v: v[:30] if isinstance(v, str) else "")
 def test_deepseek_fields_lockstep_does_not_implement_are_refused_by_name(cfg, fragment):
     with pytest.raises(UserError) as e:
-        ModelArgs.from_hf(cfg)
+        read_hf_config(cfg)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 

@@ -18,6 +18,7 @@ from pipeline.launch.prepare import check_memory
 from pipeline.models.config import model_preset
 
 from conftest import REPO
+from pipeline.models.hf_config import write_hf_config
 
 BENCH = os.path.join(REPO, "configs", "bench-0.5b.yaml")
 H200 = 139.0  # GiB usable on one H200
@@ -37,7 +38,7 @@ def test_presets_have_the_real_shapes():
     assert (m.hidden_size, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_attention_heads,
             m.num_key_value_heads, m.head_dim, m.norm_topk_prob, m.tie_word_embeddings) == (
         2048, 128, 8, 768, 32, 4, 128, True, False)
-    assert m.to_hf()["model_type"] == "qwen3_moe"
+    assert write_hf_config(m)["model_type"] == "qwen3_moe"
 
 
 @pytest.mark.parametrize("preset", ["qwen3-4b", "qwen3-moe-small", "tiny-moe", "deepseek-v3-tiny", "deepseek-v3-small"])
@@ -84,7 +85,7 @@ class _FlashCtx:
 def test_layer_activation_bytes_are_what_autograd_keeps(moe):
     """layer_activation_bytes against the tensors a bf16 decoder layer really saves for backward
     (parameters, the layer's input and the shared RoPE tables excluded; attention keeps flash's set)."""
-    from pipeline.models.qwen3 import DecoderLayer, MoeRouting
+    from pipeline.models.decoder_layer import DecoderLayer, MoeRouting
     from pipeline.models.rope import rope_cos_sin
 
     a = model_preset("tiny-dense", 100, None, 0, 0)
@@ -114,7 +115,7 @@ def test_layer_activation_bytes_are_what_autograd_keeps(moe):
 def test_deepseek_layer_activation_bytes_are_what_autograd_keeps(layer_idx):
     """The same for DeepSeek-V3 layers: MLA (q LoRA, latent row, expanded keys / values in the grid)
     and the DeepSeek MoE block (fp32 grouped router, routed and shared experts)."""
-    from pipeline.models.qwen3 import DecoderLayer, MoeRouting
+    from pipeline.models.decoder_layer import DecoderLayer, MoeRouting
     from pipeline.models.rope import rope_cos_sin
 
     a = dataclasses.replace(model_preset("deepseek-v3-tiny", 100, None, 0, 0), hidden_size=128, intermediate_size=352,
@@ -177,7 +178,7 @@ def test_deepseek_v3_small_has_real_widths_and_fits_colocated_with_recompute():
             a.v_head_dim, a.num_experts, a.num_experts_per_tok, a.n_group, a.topk_group, a.n_shared_experts,
             a.intermediate_size, a.vocab_size, a.moe_layers) == (
         7168, 128, 1536, 512, 128, 64, 128, 256, 8, 8, 4, 1, 18432, 129280, [1, 2])
-    assert a.to_hf()["model_type"] == "deepseek_v3"
+    assert write_hf_config(a)["model_type"] == "deepseek_v3"
     cfg = bench("model.init=deepseek-v3-small", "engine.colocated=true", "train.recompute_activations=true")
     est = M.check(cfg, ONE_GPU, H200)
     assert est.total < 0.9 * H200 * M.GIB

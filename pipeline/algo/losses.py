@@ -6,7 +6,8 @@ built by `reduction_scale` from counts over the whole global batch (all ranks, a
 so micro-batches and ranks add up to exactly one token-mean, sample-mean or Dr. GRPO sum.
 Metrics are sums (keys ending in `_sum`); the caller reduces them and divides by the token count.
 The policy loss takes its settings (PolicyLossConfig, built once from the algo config) and one
-micro-batch's tensors (PolicyTokens) as two arguments.
+micro-batch's tensors (PolicyTokens) as two arguments. `sft_loss` is the supervised loss (Miles
+sft_loss): the same reduction over the response tokens, no ratio, no advantages.
 """
 
 from __future__ import annotations
@@ -195,3 +196,14 @@ def grpo_loss(cfg: PolicyLossConfig, t: PolicyTokens) -> tuple[torch.Tensor, dic
         loss = loss - cfg.entropy_coef * (t.entropy_M * t.scale_M).sum()
         metrics["entropy_sum"] = (t.entropy_M * t.mask_M).sum().detach()
     return loss, metrics
+
+
+def sft_loss(logp_M: torch.Tensor, mask_M: torch.Tensor, scale_M: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised negative log-likelihood: loss = sum_t -logp_t * scale_t over tokens with mask_t > 0.
+
+    A masked token (a prompt or user turn) adds nothing to the loss and gets a gradient of exactly 0:
+    torch.where selects, so not even a non-finite logprob there leaks into the gradient. Metric:
+    sft_nll_sum, the NLL summed over the counted tokens (the caller divides by their number)."""
+    nll_M = -torch.where(mask_M > 0, logp_M, torch.zeros_like(logp_M))
+    loss = (nll_M * scale_M).sum()
+    return loss, {"sft_nll_sum": (nll_M * mask_M).sum().detach()}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs, model_preset
+from pipeline.models.hf_config import read_hf_config
 
 GIB = float(1 << 30)
 
@@ -221,7 +222,7 @@ def model_args(cfg: RunConfig) -> ModelArgs:
     builds it: real sizes with Qwen's vocabulary, tiny ones with the tiny tokenizer's)."""
     if cfg.model.path:
         with open(os.path.join(cfg.model.path, "config.json")) as f:
-            args = ModelArgs.from_hf(json.load(f))
+            args = read_hf_config(json.load(f))
         return dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_layers)
     from pipeline.models.tokenizer import TINY_CHARS, TINY_SPECIALS
 
@@ -310,7 +311,7 @@ def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
         k = a.num_experts_per_tok
         # the router: fp32 softmax, top-k ids (int64), the chosen fp32 weights and their sum (norm_topk)
         router = ROUTER_PROB_BYTES * a.num_experts + 8 * k + 4 * k + 4
-        # per (token, expert) pair (qwen3.run_experts): the gather's and the placement's token ids and the
+        # per (token, expert) pair (layers.run_experts): the gather's and the placement's token ids and the
         # grouping order (int64), the routing weight, the gathered input, gate / silu / up / product, the
         # expert's output and the weighted one
         pair = 24 + c + c * h + 4 * c * a.moe_intermediate_size + 2 * c * h
@@ -423,7 +424,7 @@ def local_placement(cfg: RunConfig, gpu_visible: bool) -> Placement:
     """`lockstep run`: trainer rank r on GPU r, every engine on the default GPU 0 (beside rank 0)."""
     trainer = cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpu_visible)
     engine_device = getattr(cfg.engine, "device", "cuda")  # SGLang runs on GPUs only
-    engine = engine_device == "cuda" or (engine_device == "auto" and gpu_visible)
+    engine = not cfg.sft and (engine_device == "cuda" or (engine_device == "auto" and gpu_visible))  # SFT: none
     per_gpu = cfg.engine.num_engines
     return Placement(trainer, engine, trainer and engine, per_gpu)
 

@@ -2,7 +2,8 @@
 
   python -m pipeline.launch.component engine  --run-dir D --index I   (built-in engine, or SGLang's supervised)
   python -m pipeline.launch.component rollout --run-dir D [--rank R --num-producers P]
-  python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...)
+  python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...;
+                                                                algo.loss_type=sft_loss: the SFT trainer)
 Each reads the resolved config the launcher wrote into D, and finds the others (and the run's token)
 through D (pipeline.run.RunDir).
 """
@@ -107,12 +108,16 @@ def main(argv=None) -> None:
 
         manager.main(args.run_dir, args.rank, args.num_producers)
     else:
-        if load_resolved(args.run_dir).train.expandable_segments:  # read by torch's allocator at its first use
+        cfg = load_resolved(args.run_dir)
+        if cfg.train.expandable_segments:  # read by torch's allocator at its first use
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        from pipeline.trainer import loop
+        if cfg.sft:
+            from pipeline.trainer.sft import main as trainer_main
+        else:
+            from pipeline.trainer.loop import main as trainer_main
 
         trainer_env_from_slurm(args.run_dir)
-        loop.main(args.run_dir)
+        trainer_main(args.run_dir)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ Qwen3-MoE, Qwen2 / Qwen2.5, Llama 3.x and DeepSeek-V3. They differ in a few swit
 (`rope_theta`, `rope_scaling`). The DeepSeek-V3 family (`deepseek_v3`) swaps in Multi-head Latent
 Attention (pipeline/models/mla.py: the `*_lora_rank` / `*_head_dim` fields) and the DeepSeek MoE block
 (pipeline/models/deepseek.py: shared experts, sigmoid router with a selection-only correction bias,
-group-limited top-k, routed scaling, the first `first_k_dense_replace` layers dense). `from_hf` is a strict reader (pipeline/models/hf_config.py): a field
-that would change the computation and that Lockstep does not implement is refused by name; `to_hf`
-writes the family's layout back, RoPE scaling in the form it was read in, so
+group-limited top-k, routed scaling, the first `first_k_dense_replace` layers dense).
+pipeline/models/hf_config.py reads config.json into ModelArgs strictly (`read_hf_config`: a field that
+would change the computation and that Lockstep does not implement is refused by name) and writes the
+family's layout back (`write_hf_config`), RoPE scaling in the form it was read in, so
 `transformers.AutoModelForCausalLM.from_pretrained` loads our directories.
 """
 
@@ -236,17 +237,6 @@ class ModelArgs:
         emb = self.vocab_size * h
         return total + emb + h + (0 if self.tie_word_embeddings else emb)
 
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
-        """Read a config.json dict strictly (pipeline/models/hf_config.py says what is refused)."""
-        from pipeline.models.hf_config import read_hf_config
-
-        return read_hf_config(cfg)
-
-    def to_hf(self) -> dict[str, Any]:
-        from pipeline.models.hf_config import write_hf_config
-
-        return write_hf_config(self)
 
 
 # Sizes of real Qwen3-class models for `model.init` (randomly initialised; the vocabulary is padded to

@@ -19,6 +19,8 @@ the export writes the form that was read.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from pipeline.errors import UserError
@@ -406,3 +408,13 @@ def _deepseek_fields(args: ModelArgs) -> dict[str, Any]:
         topk_group=args.topk_group, first_k_dense_replace=args.first_k_dense_replace,
         # written even when 0: transformers' default is 1 (the nextn layer: model.layers.<num_hidden_layers>)
         num_nextn_predict_layers=args.mtp_num_hidden_layers)
+
+
+def read_model_args(model_dir: str) -> ModelArgs:
+    """A checkpoint directory's config.json, read strictly (no torch: the launcher checks a run with it
+    before anything starts)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
+    with open(path) as f:
+        return read_hf_config(json.load(f))

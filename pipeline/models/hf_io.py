@@ -20,19 +20,12 @@ from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs
 from pipeline.models.fp8 import SCALE_SUFFIX
 from pipeline.utils.fs import atomic_dir
+from pipeline.models.hf_config import read_model_args, write_hf_config  # noqa: F401 (read_model_args: kept importable here)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
-
-
-def read_model_args(model_dir: str) -> ModelArgs:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
-    with open(path) as f:
-        return ModelArgs.from_hf(json.load(f))
 
 
 def read_state_dict(model_dir: str, dequantize: bool = True) -> dict[str, torch.Tensor]:
@@ -179,7 +172,7 @@ def save_model(
         shards[-1][name] = state[name]
         size += nbytes
     with atomic_dir(out_dir) as tmp:
-        hf_cfg = args.to_hf()
+        hf_cfg = write_hf_config(args)
         if dtype is not None:
             hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         if quantization_config is not None:

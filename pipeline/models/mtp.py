@@ -24,7 +24,8 @@ from torch import nn
 import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
-from pipeline.models.qwen3 import DecoderLayer, Linear, RMSNorm
+from pipeline.models.decoder_layer import DecoderLayer
+from pipeline.models.layers import Linear, RMSNorm
 from pipeline.models.rope import rope_cos_sin
 
 

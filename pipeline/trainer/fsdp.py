@@ -24,7 +24,8 @@ from pipeline.config.validate import validate
 from pipeline.models.hf_io import load_model, read_model_args
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.models.mtp import mtp_inputs
-from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
+from pipeline.models.decoder_layer import MoeRouting
+from pipeline.models.qwen3 import Qwen3ForCausalLM
 from pipeline.trainer.base import MtpScores
 from pipeline.trainer.batching import MicroBatch
 from pipeline.trainer.optim import adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference, step_if_finite

@@ -69,8 +69,11 @@ def token_advantages(batch: RolloutBatch, local: list[int], scores: Scores | Non
 
     Sample-level estimators broadcast each sample's advantage to its tokens. Token-level estimators
     compute returns (or GAE) per sample, then whiten with the global mean and variance, which
-    `global_moments(sum, sum_sq, count) -> (sum, sum_sq, count)` reduces across ranks.
+    `global_moments(sum, sum_sq, count) -> (sum, sum_sq, count)` reduces across ranks. The supervised
+    loss has no rewards: zeros.
     """
+    if cfg.loss_type == "sft_loss":
+        return np.zeros(len(batch.logprobs), dtype=np.float32), None
     if not cfg.token_level:
         return np.repeat(sample_advantages(batch, cfg), batch.response_len).astype(np.float32), None
     rewards = batch.rewards.astype(np.float64)

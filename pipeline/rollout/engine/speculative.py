@@ -27,9 +27,8 @@ import dataclasses
 import torch
 
 from pipeline.models.logprobs import token_logprobs
-from pipeline.rollout.engine.core import sampling_rows
 from pipeline.rollout.engine.kv_cache import CacheAttention, make_cache
-from pipeline.rollout.engine.sampling import sample
+from pipeline.rollout.engine.sampling import sample, sampling_rows
 
 
 def accepted_prefix(draft_Bk: torch.Tensor, target_BK: torch.Tensor) -> torch.Tensor:

@@ -278,10 +278,11 @@ def test_multiturn_moe_run_with_r3_is_bit_exact_and_resumes_partials(tmp_path):
 
     run = tmp_path / "run"
     res = lockstep("run", "configs/tiny-calculator.yaml", f"run_dir={run}", "model.init=tiny-moe", "num_rollout=6",
-                   "determinism.true_on_policy=true", "determinism.routing_replay=true", "rollout_batch_size=6",
-                   "over_sampling_batch_size=12", "partial_rollout=true", "mask_offpolicy_in_partial_rollout=true",
-                   "n_samples_per_prompt=4",
-                   "global_batch_size=24", "engine.max_running_requests=8", "checkpoint.export_hf=false",
+                   "determinism.true_on_policy=true", "determinism.routing_replay=true", "rollout.rollout_batch_size=6",
+                   "rollout.over_sampling_batch_size=12", "rollout.partial_rollout=true",
+                   "rollout.mask_offpolicy_in_partial_rollout=true",
+                   "rollout.n_samples_per_prompt=4",
+                   "train.global_batch_size=24", "engine.max_running_requests=8", "checkpoint.export_hf=false",
                    "logging.plot=false", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_metrics(str(run))
@@ -331,8 +332,8 @@ def manager_for(model_dir, pool, generate_fn, *overrides):
     from pipeline.rollout.rewards import resolve_reward
 
     m = object.__new__(RolloutManager)
-    m.cfg = load_config("configs/tiny-calculator.yaml", ["n_samples_per_prompt=2", "rollout_batch_size=1",
-                                                          "global_batch_size=2", "rollout_max_response_len=40", *overrides])
+    m.cfg = load_config("configs/tiny-calculator.yaml", ["rollout.n_samples_per_prompt=2", "rollout.rollout_batch_size=1",
+                                                          "train.global_batch_size=2", "rollout.rollout_max_response_len=40", *overrides])
     m.args, m.tokenizer, m.pool = read_model_args(model_dir), load_tokenizer(model_dir), pool
     m.sample_executor = ThreadPoolExecutor(max_workers=1)  # the in-process engine is stepped by its caller
     m.generate_fn, m.reward_fn, m.record_routing = generate_fn, resolve_reward("arith"), False
@@ -358,7 +359,7 @@ def test_manager_stores_turns_counts_drift_and_resumes_with_older_turns_masked(d
     assert summary["rollout/tito_turn_mismatch"] > 0 and summary["rollout/tito_turn_drift_frac"] > 0
     # abort in turn 2 at step 0, resume at step 1 on new weights (version 1): turn 1 and the cut part masked
     m = manager_for(dense_dir, InProcessPool(make_engine(dense_dir), abort_at=(1, 2)), three_turns,
-                    "mask_offpolicy_in_partial_rollout=true")
+                    "rollout.mask_offpolicy_in_partial_rollout=true")
     g = m.run_group(0, Group(0, 0, prompt), 0)
     assert g.samples[0].status == SampleStatus.ABORTED and len(g.samples[0].response_ids) == 5 + 4 + 2
     engine = make_engine(dense_dir)

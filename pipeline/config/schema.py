@@ -130,8 +130,16 @@ class RolloutConfig:
     """fully_async: how many versions rollouts may run ahead; older samples are dropped by the trainer."""
     tito_checks: bool = True
     """Report rollout/tito_* (re-tokenisation drift, alternate EOS, special tokens in responses)."""
+    generate_fn: str = "pipeline.rollout.single_turn:generate"
+    """The rollout function, `module:function` (sync or async): (sample, engine) -> Trajectory, one
+    sample's turns (multi-turn, tools, environments; README "Multi-turn and agentic rollouts"). The
+    default is single-turn (Miles: --custom-generate-function-path)."""
 
     def __post_init__(self):
+        module, sep, attr = self.generate_fn.partition(":")
+        if not (sep and module and attr):
+            raise ConfigError(f"rollout.generate_fn {self.generate_fn!r}: write it as module:function"
+                              " (e.g. pipeline.rollout.envs.calculator:generate)")
         _positive(
             "rollout",
             rollout_batch_size=self.rollout_batch_size,
@@ -220,11 +228,25 @@ class LocalEngineConfig(EngineCommon):
     speculative decoding or routing records, which run step by step). Off by default: on the H200 its
     first version ran at 0.67-1.06x of step-by-step decode; the pinned copies since then have not been
     measured on a GPU yet (BENCHMARKS.md, bench/engine_bench.py --overlap)."""
+    prefix_cache_tokens: int = 0
+    """Prefix cache (SGLang's radix cache, keyed by token ids): a finished request's KV is kept, and a request
+    that starts with the same ids prefills only the rest, so a multi-turn trajectory's next turn (sent to
+    the same engine: sticky sessions) recomputes only what the environment appended. Up to this many
+    tokens are kept (least recently used go first; flushed with every weight update); 0: off. Reported
+    as rollout/prefix_cache_hit_rate. Logprobs equal those without it, bit for bit, in true on-policy mode."""
     sampling_backend: Literal["triton", "pytorch"] = "triton"
     """How a GPU engine samples (SGLang --sampling-backend; there flashinfer | pytorch): triton = one fused
     Triton pass over the logits for batches without top-p/top-k (1.2-2.2x decode at batch 64-256 on the
     H200, bench/engine_bench.py --fused-sampling); pytorch = the torch path. Both give the same tokens;
     CPUs always take the torch path."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prefix_cache_tokens < 0:
+            raise ConfigError(f"engine.prefix_cache_tokens must be >= 0 (got {self.prefix_cache_tokens}; 0: off)")
+        if self.prefix_cache_tokens and self.speculative_algorithm:
+            raise ConfigError("engine.prefix_cache_tokens and engine.speculative_algorithm exclude each other in the"
+                              " built-in engine (the cache does not hold the draft head's KV): set one of them off")
 
 
 @dataclass

@@ -45,6 +45,8 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     argv += ["--kernel-backend", cfg.determinism.kernel_backend, "--sampling-backend", e.sampling_backend]
     if e.overlap_schedule:
         argv.append("--enable-overlap-schedule")
+    if e.prefix_cache_tokens:
+        argv += ["--prefix-cache-tokens", str(e.prefix_cache_tokens)]
     argv += ["--mtp-num-layers", str(cfg.model.mtp_num_layers)]
     if e.speculative_algorithm:
         argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(e.speculative_num_steps)]

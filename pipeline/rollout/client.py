@@ -45,6 +45,7 @@ class Generation:
     routed_experts: np.ndarray | None = None  # [prompt+response-1, moe_layers, top_k]
     engine_url: str = ""
     spec_verify_ct: int = 0  # speculative decoding: verify forwards that produced this response
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
 
 def decode_routed_experts(b64: str, num_moe_layers: int, top_k: int) -> np.ndarray:
@@ -147,6 +148,7 @@ class EngineClient:
                 routed_experts=routed,
                 engine_url=self.url,
                 spec_verify_ct=int(meta.get("spec_verify_ct") or 0),
+                cached_tokens=int(meta.get("cached_tokens") or 0),
             ))
         return gens
 

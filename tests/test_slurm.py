@@ -253,6 +253,25 @@ def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_unrecoverable_failure_requeues_the_job_without_its_node(slurm, tmp_path):
+    """Out of restarts in place: the driver requeues its own job, excluding the node the failure happened
+    on; the next attempt runs elsewhere and resumes from the last checkpoint."""
+    run_dir = tmp_path / "run"
+    p = submit_bg(run_dir, "num_rollout=14", "checkpoint.save_interval=4", "engine.max_restarts=0", "slurm.max_requeues=1")
+    assert wait_until(lambda: steps_done(run_dir) >= 5, timeout=180)
+    os.kill(pid_of(run_dir, "engine_0"), 9)
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "engine_0 failed on n2 (exit status 137): requeueing the job (engine_0 is out of restarts (0))" in err, err
+    assert "put back in the queue without n2" in err and "requeued (attempt 2/2), resuming from step 4" in err, err
+    starts = [e for e in RunDir(run_dir).read_events() if e["event"] == "start"]
+    assert [s["attempt"] for s in starts] == [1, 2] and starts[0]["nodes"]["1"] == "n2" and starts[1]["nodes"]["1"] != "n2"
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(14))
+    assert "requeued by the driver: engine_0 failed on n2 (exit status 137); excluded n2" in lockstep("status", str(run_dir)).stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path):
     run_dir = tmp_path / "run"
     p = submit_bg(run_dir, "num_rollout=12", "faults.heartbeat_interval_s=1", "faults.heartbeat_timeout_s=5")
@@ -262,6 +281,8 @@ def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path)
     assert p.returncode == 0, err[-3000:]
     assert "engine_0 failed on n2 (no heartbeat from engine_0 for" in err and "restarted in place" in err, err
     assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(12))
+    # one failure, no other: components that finished their work (the rollout manager) stop beating quietly
+    assert [e["event"] for e in RunDir(run_dir).read_events()] == ["start", "failure", "end"]
 
 
 @pytest.mark.slurm

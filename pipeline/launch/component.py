@@ -93,8 +93,8 @@ def main(argv=None) -> None:
     if args.role == "trainer":
         trainer_env_from_slurm(args.run_dir)
     index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", 0))
-    Heartbeat(RunDir(args.run_dir), component_name(args.role, index, args.rank),
-              cfg.faults.heartbeat_interval_s).start()
+    heartbeat = Heartbeat(RunDir(args.run_dir), component_name(args.role, index, args.rank),
+                          cfg.faults.heartbeat_interval_s).start()
     if args.role == "engine":
         if cfg.engine.type == "sglang":
             from pipeline.rollout import sglang_server
@@ -115,6 +115,7 @@ def main(argv=None) -> None:
         from pipeline.trainer import loop
 
         loop.main(args.run_dir)
+    heartbeat.end()  # done (an error never gets here: the process exits with it, its heartbeat goes stale)
 
 
 def component_name(role: str, index: int, rank: int) -> str:

@@ -46,6 +46,15 @@ class Heartbeat:
     def stop(self) -> None:
         self.stopped.set()
 
+    def end(self) -> None:
+        """The component finished its work: stop beating and withdraw the file (nothing to watch)."""
+        self.stop()
+        self.thread.join()
+        try:
+            os.unlink(self.rundir.heartbeat_file(self.component))
+        except FileNotFoundError:
+            pass
+
 
 def silent(beats: dict[str, dict], timeout_s: float, now: float | None = None) -> dict[str, float]:
     """component -> seconds since its last beat, for those silent longer than `timeout_s`."""

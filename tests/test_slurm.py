@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from pipeline.buffer.reader import BufferReader
 from pipeline.launch.slurm.driver import previous_attempt
 from pipeline.launch.slurm.follow import describe
 from pipeline.launch.slurm.jobctl import job_state, parse_history, parse_states
@@ -236,7 +237,8 @@ def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
     """Inside one allocation: a killed engine is restarted alone and rejoins the weight group; a killed
     trainer rank restarts the trainer step from the last checkpoint; every step is logged once."""
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true")
+    p = submit_bg(run_dir, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true",
+                  "buffer.keep_consumed=false")  # the restarted trainer needs the steps since its checkpoint
     assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
     assert wait_until(lambda: steps_done(run_dir) >= 9, timeout=240)
@@ -248,6 +250,7 @@ def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
     assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(16))
     events = RunDir(run_dir).read_events()
     assert [e["event"] for e in events] == ["start", "failure", "failure", "end"]  # one attempt: no requeue
+    assert BufferReader(RunDir(run_dir).buffer).committed_steps() == [15]  # consumed steps collected after all
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in read_metrics(str(run_dir))) == 0.0  # engines caught up
 
 

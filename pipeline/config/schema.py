@@ -488,8 +488,9 @@ class BufferConfig:
     on_corrupt: Literal["error", "skip"] = "error"
     """A corrupt or truncated shard: stop the run, or skip that part (logged and counted)."""
     keep_consumed: bool = True
-    """Keep rollout steps on disk after training on them; false deletes them once trained on (the
-    newest committed step always stays: it carries the rollout side's state)."""
+    """Keep rollout steps on disk after training on them; false deletes them once a checkpoint is past
+    them (a resumed or restarted trainer re-trains the steps since its checkpoint; the newest committed
+    step always stays: it carries the rollout side's state)."""
     compression: Literal["gzip", "lzf", "none"] = "none"
     """HDF5 filter for token, mask and routing columns (shuffle + this). none writes at the filesystem's
     raw speed; gzip shrinks routing traces 5x (0.19 B/slot) at ~100 MB/s per core (BENCHMARKS.md)."""

@@ -74,7 +74,8 @@ class SlurmDriver(Checkpointable):
         signal.signal(signal.SIGTERM, self.on_term)  # (submitit's handler only logs it)
         os.makedirs(self.rundir.logs, exist_ok=True)
         self.rundir.reset_role(self.role)
-        self.rundir.clear_heartbeats()
+        for side in {"all": [None], "trainer": ["trainer"], "rollout": ["engine", "rollout"]}[self.role]:
+            self.rundir.clear_heartbeats(side)  # paired: the partner job's stay
         self.policy = RecoveryPolicy(engine_restarts=cfg.engine.max_restarts, restarts=cfg.slurm.max_restarts,
                                      attempt=self.attempt, max_attempts=1 + cfg.slurm.max_requeues,
                                      node_failures=self.earlier_node_failures())

@@ -92,7 +92,7 @@ def main() -> None:
                                     if e["event"] in ("failure", "preempted", "interrupted")], 600, f"{fault} noticed")
             if fault == "node_down":
                 wait(lambda: (up(rundir) or {}).get("attempt", 0) > start["attempt"], 600, "requeued after node down")
-                subprocess.run(["scontrol", "update", f"nodename={downed}", "state=resume"], check=True)
+                subprocess.run(["scontrol", "update", f"nodename={downed}", "state=resume"], capture_output=True)
             resumed = wait(lambda: [e for e in rundir.read_events()[n_events:] if e["event"] == "start"
                                     or e.get("resume_step") is not None] or [{}], 600, "resume")
             wait(lambda: len(read_metrics(args.run_dir)) > before, 900, f"past step {before} after {fault}")

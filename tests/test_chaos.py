@@ -94,10 +94,11 @@ def test_chaos_run_ends_bit_identical(slurm, tmp_path):  # noqa: F811
             time.sleep(rng.uniform(0, 1.5))  # anywhere inside the step: rollout, train or weight sync
             job, attempt = running_attempt(rundir)["job"], running_attempt(rundir)["attempt"]
             log.append((steps_done(run_dir), inject(fault, rundir, job, rng, downed)))
-            print(f"chaos: at step {log[-1][0]}: {log[-1][1]}", file=sys.stderr)
+            print(f"chaos: {time.strftime('%H:%M:%S')} at step {log[-1][0]}: {log[-1][1]}", file=sys.stderr)
             if fault == "node_down":  # the node comes back once the job runs again (elsewhere)
                 assert wait_until(lambda: (running_attempt(rundir) or {}).get("attempt", 0) > attempt, timeout=300), log
-                subprocess.run(["scontrol", "update", f"nodename={downed[-1]}", "state=resume"], check=True)
+                # (unless it is back already: the cluster's ReturnToService=2 returns a node that answers)
+                subprocess.run(["scontrol", "update", f"nodename={downed[-1]}", "state=resume"], capture_output=True)
         out, err = p.communicate(timeout=900)
     finally:
         if p.poll() is None:

@@ -19,7 +19,7 @@ import pytest
 from pipeline.buffer.reader import BufferReader
 from pipeline.launch.slurm.driver import previous_attempt
 from pipeline.launch.slurm.follow import describe
-from pipeline.launch.slurm.jobctl import job_state, parse_history, parse_states
+from pipeline.launch.slurm.jobctl import job_state, parse_history, parse_states, torn
 from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, safe_exclusions
 from pipeline.launch.slurm.templates import reference_scripts
 from pipeline.observability.status import status
@@ -130,6 +130,9 @@ def test_sacct_states_fold_into_one_job_state():
     assert job_state(parse_states("7+0|COMPLETED\n7+1|CANCELLED by 0\n")) == "CANCELLED"
     assert job_state({"7+0": "COMPLETED", "7+1": "COMPLETED"}) == "COMPLETED"
     assert job_state({}) == "UNKNOWN"
+    # after a node failure Slurm requeues only the hetjob component on that node: the job never starts again
+    assert torn({"7+0": "PENDING", "7+1": "COMPLETED"}) and not torn({"7+0": "PENDING", "7+1": "REQUEUED"})
+    assert not torn({"7": "PENDING"}) and not torn({"7+0": "COMPLETED", "7+1": "FAILED"})
 
 
 def test_previous_attempt_is_the_latest_ended_records():

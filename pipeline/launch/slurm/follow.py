@@ -50,12 +50,13 @@ def describe(e: dict) -> str | None:
     return None
 
 
-def job_over(job_id: str) -> tuple[bool, str]:
-    """(Slurm has no more plans for the job, its state)."""
-    state = jobctl.job_state(jobctl.states(job_id))
+def job_over(job_id: str) -> tuple[bool, str, bool]:
+    """(Slurm has no more plans for the job, its state, the job is a torn heterogeneous one)."""
+    states = jobctl.states(job_id)
+    state = jobctl.job_state(states)
     if jobctl.queued(job_id):
-        return False, state
-    return state not in jobctl.ACTIVE and state != "UNKNOWN", state
+        return False, state, jobctl.torn(states)
+    return state not in jobctl.ACTIVE and state != "UNKNOWN", state, False
 
 
 def follow(job_ids: list[str], rundir: RunDir, say: Callable[[str], None], since: int = 0,
@@ -65,11 +66,16 @@ def follow(job_ids: list[str], rundir: RunDir, say: Callable[[str], None], since
     submission (not news)."""
     seen, settled = since, 0
     states: dict[str, str] = {}
+    torn: dict[str, int] = {}
     while settled < 2:
         seen = _news(rundir, seen, say)
         over = {}
         for j in job_ids:
-            over[j], states[j] = job_over(j)
+            over[j], states[j], is_torn = job_over(j)
+            torn[j] = torn.get(j, 0) + 1 if is_torn else 0
+            if torn[j] == 3:  # seen for a few polls: not a requeue in passing
+                say(f"Slurm requeued only part of heterogeneous job {j} after a node failure; requeueing the rest")
+                jobctl.requeue_whole(j)
         if tick:
             tick(", ".join(f"job {j} {s}" for j, s in states.items()))
         settled = settled + 1 if all(over.values()) else 0

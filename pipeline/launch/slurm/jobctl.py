@@ -96,3 +96,17 @@ def requeue(job_id: str, components: list[str], exclude: list[str]) -> None:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, preexec_fn=_ignore_term)
         if res.returncode != 0:
             log.warning("%s: %s", " ".join(cmd), (res.stderr or res.stdout).strip())
+
+
+def torn(states: dict[str, str]) -> bool:
+    """A heterogeneous job Slurm requeued only in part: after a node failure it requeues the component
+    on the failed node and lets the others end, so the job never starts again."""
+    words = list(states.values())
+    return len(words) > 1 and any(w in ("PENDING", "REQUEUED") for w in words) and \
+        any(w not in ACTIVE for w in words)
+
+
+def requeue_whole(job_id: str) -> None:
+    """Requeue the ended components of a torn heterogeneous job (the leader's requeue does that; it
+    answers an error for the pending leader itself)."""
+    _run(["scontrol", "requeue", job_id])

@@ -17,9 +17,8 @@ import time
 import pytest
 
 from pipeline.buffer.reader import BufferReader
-from pipeline.launch.slurm.driver import previous_attempt
 from pipeline.launch.slurm.follow import describe
-from pipeline.launch.slurm.jobctl import job_state, parse_history, parse_states, torn
+from pipeline.launch.slurm.jobctl import job_state, parse_node_events, parse_states, torn
 from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, safe_exclusions
 from pipeline.launch.slurm.templates import reference_scripts
 from pipeline.observability.status import status
@@ -135,13 +134,9 @@ def test_sacct_states_fold_into_one_job_state():
     assert not torn({"7": "PENDING"}) and not torn({"7+0": "COMPLETED", "7+1": "FAILED"})
 
 
-def test_previous_attempt_is_the_latest_ended_records():
-    rows = parse_history("9+0|REQUEUED|n1|2026-01-01T10:00:00|2026-01-01T10:05:00\n"
-                         "9+1|REQUEUED|n2|2026-01-01T10:00:00|2026-01-01T10:05:00\n"
-                         "9+0|NODE_FAIL|n1|2026-01-01T10:06:00|2026-01-01T10:09:00\n"
-                         "9+1|NODE_FAIL|n3|2026-01-01T10:06:00|2026-01-01T10:09:00\n"
-                         "9+0|RUNNING|n1|2026-01-01T10:10:00|Unknown\n9+1|RUNNING|n4|2026-01-01T10:10:00|Unknown\n")
-    assert [(r["state"], r["nodes"]) for r in previous_attempt(rows)] == [("NODE_FAIL", "n1"), ("NODE_FAIL", "n3")]
+def test_node_events_name_the_node_that_went_down():
+    rows = parse_node_events("n2|2026-12-04T23:57:11|DOWN|chaos\n|2026-12-04T23:11:05||Cluster Registered TRES\n")
+    assert rows == [{"node": "n2", "start": "2026-12-04T23:57:11", "state": "DOWN", "reason": "chaos"}]
 
 
 def test_recovery_restarts_then_requeues_without_the_node_then_gives_up():

@@ -226,16 +226,20 @@ class SlurmDriver(Checkpointable):
         return Counter(e["node"] for e in self.rundir.read_events() if e.get("event") == "failure" and e.get("node"))
 
     def record_start(self) -> None:
-        """This attempt's start, and how the previous one ended if Slurm ended it (a node failure)."""
-        if self.attempt > 1 and self.job:
-            ended = previous_attempt(jobctl.history(self.job))
-            for row in ended:
-                if row["state"] == "NODE_FAIL":
-                    for node in jobctl.expand_nodes(row["nodes"]):
-                        self.policy.node_failures[node] += 1
-                        self.rundir.append_event({"event": "failure", "job": self.job, "attempt": self.attempt - 1,
-                                                  "component": "node", "node": node, "reason": "NODE_FAIL",
-                                                  "action": "requeue", "why": "Slurm requeued the job"})
+        """This attempt's start, and the nodes that went down during the previous one (Slurm ended and
+        requeued it: NODE_FAIL). sacct marks every component NODE_FAIL; the accounting database's node
+        events say which node it was."""
+        starts = [e for e in self.rundir.read_events() if e.get("event") == "start" and e.get("job") == self.job]
+        if self.attempt > 1 and starts:
+            prev = starts[-1]
+            nodes = prev["nodes"].values() if isinstance(prev["nodes"], dict) else [prev["nodes"]]
+            names = [n for group in nodes for n in jobctl.expand_nodes(group)]
+            for ev in jobctl.node_events(names, since=prev["time"]):
+                self.policy.node_failures[ev["node"]] += 1
+                self.rundir.append_event({"event": "failure", "job": self.job, "attempt": prev["attempt"],
+                                          "component": "node", "node": ev["node"],
+                                          "reason": f"{ev['state']}: {ev['reason']}" if ev["reason"] else ev["state"],
+                                          "action": "requeue", "why": "Slurm requeued the job"})
         nodes = {k[len("SLURM_JOB_NODELIST_HET_GROUP_"):]: v for k, v in os.environ.items()
                  if k.startswith("SLURM_JOB_NODELIST_HET_GROUP_")}
         self.rundir.append_event({"event": "start", "job": self.job, "attempt": self.attempt, "role": self.role,
@@ -271,16 +275,6 @@ def abort_step(p: Proc) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.3)
-
-
-def previous_attempt(rows: list[dict]) -> list[dict]:
-    """The records (one per het component) of the attempt before the running one: the ended ones with
-    the latest end time."""
-    ended = [r for r in rows if r["state"] not in jobctl.ACTIVE and r["end"] not in ("", "Unknown")]
-    if not ended:
-        return []
-    last = max(r["end"] for r in ended)
-    return [r for r in ended if r["end"] == last]
 
 
 def partition_size() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import subprocess
+import time
 
 log = logging.getLogger("lockstep.slurm")
 
@@ -40,15 +41,14 @@ def job_state(states: dict[str, str]) -> str:
     return bad[0] if bad else "COMPLETED"
 
 
-def parse_history(sacct_out: str) -> list[dict]:
-    """`sacct -D -X -n -o JobID,State,NodeList,Start,End --parsable2`: every record of every attempt,
-    oldest first, as {id, state, nodes, start, end}."""
+def parse_node_events(sacctmgr_out: str) -> list[dict]:
+    """`sacctmgr -n -P show event nodes=... start=... format=NodeName,TimeStart,State,Reason`: the nodes
+    that went down (or failed, or were drained) and why, as {node, start, state, reason}."""
     rows = []
-    for line in sacct_out.splitlines():
+    for line in sacctmgr_out.splitlines():
         parts = line.strip().split("|")
-        if len(parts) >= 5 and parts[0] and "." not in parts[0]:
-            rows.append({"id": parts[0], "state": parts[1].split()[0], "nodes": parts[2], "start": parts[3],
-                         "end": parts[4]})
+        if len(parts) >= 4 and parts[0]:
+            rows.append({"node": parts[0], "start": parts[1], "state": parts[2], "reason": parts[3]})
     return rows
 
 
@@ -62,9 +62,15 @@ def states(job_id: str) -> dict[str, str]:
     return parse_states(res.stdout) if res.returncode == 0 else {}
 
 
-def history(job_id: str) -> list[dict]:
-    res = _run(["sacct", "-D", "-X", "-n", "-j", job_id, "-o", "JobID,State,NodeList,Start,End", "--parsable2"])
-    return parse_history(res.stdout) if res.returncode == 0 else []
+def node_events(nodes: list[str], since: float) -> list[dict]:
+    """Node state events (DOWN, FAIL, DRAIN: slurmctld records them in the accounting database) of
+    `nodes` since the epoch time `since`."""
+    if not nodes:
+        return []
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since))
+    res = _run(["sacctmgr", "-n", "-P", "show", "event", f"nodes={','.join(nodes)}", f"start={start}",
+                "format=NodeName,TimeStart,State,Reason"])
+    return parse_node_events(res.stdout) if res.returncode == 0 else []
 
 
 def queued(job_id: str) -> bool:

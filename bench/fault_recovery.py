@@ -1,6 +1,6 @@
 """How long each fault costs on the local Slurm cluster: one hetjob run, one fault at a time.
 
-  SLURM_CONF=... python bench/fault_recovery.py [--steps 70] [--out bench/results/fault_recovery_cpu.json]
+  SLURM_CONF=... python bench/fault_recovery.py [--steps 70] [--faults a,b] [--out bench/results/fault_recovery_cpu.json]
 
 Submits configs/tiny-slurm-local.yaml (checkpoint every 4 steps, faults.heartbeat_timeout_s=10), then,
 each time the run is up and 3 steps past the previous recovery: kills the engine, kills the trainer
@@ -71,6 +71,7 @@ def inject(fault: str, rundir: RunDir, job: str) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, in order (default: {','.join(FAULTS)})")
     p.add_argument("--run-dir", default="/tmp/lockstep-fault-recovery")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "fault_recovery_cpu.json"))
     args = p.parse_args()
@@ -82,7 +83,7 @@ def main() -> None:
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     rows, mark, downed = [], 3, None
     try:
-        for fault in FAULTS:
+        for fault in args.faults.split(","):
             start = wait(lambda: len(read_metrics(args.run_dir)) >= mark and up(rundir), 600, f"run up before {fault}")
             n_events = len(rundir.read_events())
             before = len(read_metrics(args.run_dir))
@@ -93,11 +94,16 @@ def main() -> None:
             if fault == "node_down":
                 wait(lambda: (up(rundir) or {}).get("attempt", 0) > start["attempt"], 600, "requeued after node down")
                 subprocess.run(["scontrol", "update", f"nodename={downed}", "state=resume"], capture_output=True)
-            resumed = wait(lambda: [e for e in rundir.read_events()[n_events:] if e["event"] == "start"
-                                    or e.get("resume_step") is not None] or [{}], 600, "resume")
-            wait(lambda: len(read_metrics(args.run_dir)) > before, 900, f"past step {before} after {fault}")
+            if noticed[0].get("action") != "restart" or fault == "trainer_rank_killed":  # it starts again
+                wait(lambda: [e for e in rundir.read_events()[n_events:] if e["event"] == "start"
+                              or e.get("resume_step") is not None], 600, "restarted")
+            restarted = [e for e in rundir.read_events()[n_events:] if e["event"] == "start" or e.get("resume_step")]
+            # past the step it was at (a pre-empted trainer finishes its step first: then one more)
+            target = before + (1 if fault == "preempted" else 0)
+            wait(lambda: len(read_metrics(args.run_dir)) > target and
+                 (not restarted or up(rundir)), 900, f"past step {target} after {fault}")
             back = time.time() - t0
-            resume_step = next((e.get("resume_step") for e in resumed if e.get("resume_step") is not None), None)
+            resume_step = next((e.get("resume_step") for e in restarted if e.get("resume_step") is not None), None)
             rows.append({"fault": fault, "at_step": before, "noticed_s": round(noticed[0]["time"] - t0, 1),
                          "recovered_s": round(back, 1), "resumed_from": resume_step,
                          "steps_redone": before - resume_step if resume_step is not None else 0,

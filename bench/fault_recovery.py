@@ -122,7 +122,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\n| fault | noticed after s | recovered after s | steps redone | how |\n|---|---|---|---|---|")
+    print("\n| fault | noticed after s | recovered after s | steps redone | how |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['fault']} | {r['noticed_s']} | {r['recovered_s']} | {r['steps_redone']} | {r['how']} |")
     print(f"exit status {proc.returncode}; median step {step_s:.2f} s; load average {os.getloadavg()[0]:.1f};"

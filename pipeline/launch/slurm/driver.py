@@ -36,9 +36,9 @@ from pipeline.config import load_resolved
 from pipeline.errors import ComponentFailed
 from pipeline.launch.local import RESTART_MARK, Proc, Supervisor, tail
 from pipeline.launch.slurm import jobctl
-from pipeline.launch.slurm.profile import ClusterProfile, load_profile
+from pipeline.launch.slurm.profile import load_profile
 from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, safe_exclusions
-from pipeline.launch.slurm.steps import gpus_per_engine, plan_steps, srun_command, step_group  # noqa: F401 (re-exported)
+from pipeline.launch.slurm.steps import plan_steps, step_group
 from pipeline.observability.metrics import read_metrics
 from pipeline.run import RunDir
 from pipeline.run.heartbeat import silent

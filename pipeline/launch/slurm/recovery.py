@@ -62,7 +62,7 @@ class RecoveryPolicy:
 
 
 def safe_exclusions(exclude: list[str], partition_nodes: int, needed_nodes: int) -> list[str]:
-    """As many exclusions as leave the job enough nodes to start (the most recent ones first dropped
-    last); [] when the partition size is unknown (0)."""
+    """The first exclusions that still leave the job enough nodes to start; [] when the partition size
+    is unknown (0)."""
     room = partition_nodes - needed_nodes
     return exclude[:max(room, 0)] if partition_nodes else []

@@ -3,6 +3,7 @@ process, HDF5 buffer, weight sync) for a few steps per cell, over sizes x modes.
 
     python bench/gpu_matrix.py --part 1                 # 0.5b and 1.7b rows (under 10 minutes on an H200)
     python bench/gpu_matrix.py --part 2                 # 4b and moe-small rows
+    python bench/gpu_matrix.py --sizes moe-small --modes sync_flattened,sync_per_tensor   # MoE weight sync A/B
     python bench/gpu_matrix.py --sizes 4b --modes colocated,true_on_policy   # any subset
     python bench/gpu_matrix.py --report                 # the markdown table of the JSON so far
     python bench/gpu_matrix.py --tiny                   # CPU: the same cells on tiny presets (checks the script)
@@ -35,11 +36,15 @@ from pipeline.observability.metrics import read_metrics  # noqa: E402
 from pipeline.observability.report import step_split  # noqa: E402
 from pipeline.observability.startup import read_startup, time_to_first_step  # noqa: E402
 from pipeline.run import RunDir  # noqa: E402
+from pipeline.models.hf_config import write_hf_config  # noqa: E402
 
-SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small"}
-TINY_SIZES = {"tiny": "tiny-dense", "tiny-moe": "tiny-moe"}
-PARTS = {1: ["0.5b", "1.7b"], 2: ["4b", "moe-small"]}
+SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small",
+         "ds-moe-small": "deepseek-v3-small"}
+TINY_SIZES = {"tiny": "tiny-dense", "tiny-moe": "tiny-moe", "tiny-ds-moe": "deepseek-v3-tiny"}
+PARTS = {1: ["0.5b", "1.7b"], 2: ["4b", "moe-small"], 3: ["ds-moe-small"]}
 
+SYNC_CELL = ["weights.type=tensor", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=2",
+             "train.global_batch_size=8", "rollout.rollout_max_response_len=16"]
 # mode -> the overrides a user would set for it
 MODES = {
     "default": [],
@@ -50,8 +55,12 @@ MODES = {
     "fp8_sync": ["weights.quantization=fp8", "engine.quantization=fp8", "algo.off_policy_correction=tis"],
     "megatron": ["train.backend=megatron"],
     "r3": ["determinism.routing_replay=true"],
+    # Colocated weight sync of a MoE's ~3,500 tensors (12.7 s per sync per tensor on 2026-12-04): short
+    # rollouts so the cell is about the sync, one handle per bucket (the default) vs one per tensor.
+    "sync_flattened": [*SYNC_CELL, "weights.tensor_format=flattened"],
+    "sync_per_tensor": [*SYNC_CELL, "weights.tensor_format=per_tensor"],
 }
-MOE_ONLY = {"r3"}
+MOE_ONLY = {"r3", "sync_flattened", "sync_per_tensor"}
 
 GPU_CONFIG = "configs/bench-0.5b.yaml"  # GRPO, no entropy bonus, no KL: what a real-size recipe runs
 TINY_CONFIG = "configs/tiny.yaml"
@@ -65,10 +74,11 @@ GPU_BASE = ["model.dtype=bfloat16", "train.device=cuda", "engine.device=cuda", "
 # What a user of a model this size sets anyway (the memory check names it when it is missing): the MoE
 # fits one GPU beside its engine only colocated (sync modes; the async ones are refused up front), so
 # its "colocated" cell is its default one and is not run twice.
-SIZE_EXTRA = {"4b": ["train.recompute_activations=true"], "moe-small": ["train.recompute_activations=true"]}
-SIZE_EXTRA_SYNC = {"moe-small": ["engine.colocated=true"]}
+SIZE_EXTRA = {"4b": ["train.recompute_activations=true"], "moe-small": ["train.recompute_activations=true"],
+              "ds-moe-small": ["train.recompute_activations=true"]}
+SIZE_EXTRA_SYNC = {"moe-small": ["engine.colocated=true"], "ds-moe-small": ["engine.colocated=true"]}
 ASYNC_MODES = {"one_step_off", "fully_async"}
-SKIP = {("moe-small", "colocated")}
+SKIP = {("moe-small", "colocated"), ("ds-moe-small", "colocated")}
 TINY_BASE = ["rollout.rollout_batch_size=8", "train.global_batch_size=64", "checkpoint.export_hf=false",
              "checkpoint.save_final=false", "logging.plot=false"]
 
@@ -88,10 +98,13 @@ def write_checkpoint(out_dir: str, preset: str, device: str) -> float:
     tmp = out_dir + ".partial"
     tok = build_tiny_tokenizer(tmp)
     args = model_preset(preset, tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    hf = {k: v for k, v in args.to_hf().items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
+    hf = {k: v for k, v in write_hf_config(args).items() if k not in ("architectures", "model_type", "torch_dtype", "dtype")}
     moe = args.is_moe
-    config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**hf)
-    cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    if args.is_mla:  # DeepSeek-V3
+        config, cls = transformers.DeepseekV3Config(**hf), transformers.DeepseekV3ForCausalLM
+    else:
+        config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**hf)
+        cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device(device):
         model = cls._from_config(config, dtype=dtype)

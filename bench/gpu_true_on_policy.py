@@ -21,7 +21,8 @@ from common import device_info, qwen3_0p5b, write
 import lockstep_kernels as kernels
 from pipeline.models.attention import PackedCausal
 from pipeline.models.logprobs import token_logprobs
-from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
+from pipeline.models.decoder_layer import MoeRouting
+from pipeline.models.qwen3 import Qwen3ForCausalLM
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 
 

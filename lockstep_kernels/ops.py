@@ -46,6 +46,13 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return torch_ref.silu(x)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise sigmoid (DeepSeek-V3's router scores); 1 / (1 + exp(-x)) on CPUs in batch-invariant mode."""
+    if not _bi() or x.is_cuda:
+        return torch.sigmoid(x)
+    return torch_ref.sigmoid(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # The engine (inference mode) on GPUs takes the fused kernel in default mode too (one launch instead
     # of eight); the trainer, scoring passes included, keeps the torch formula unless batch-invariant
@@ -139,8 +146,9 @@ def _varlen():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
-    """Causal GQA attention: query (b, i) attends to keys 0..qpos_BQ[b, i]. Returns [B, H, Q, D]."""
+def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -> torch.Tensor:
+    """Causal GQA attention: query (b, i) attends to keys 0..qpos_BQ[b, i]. Returns [B, H, Q, Dv].
+    scale: the softmax scale (None: 1/sqrt(D)); v's head dim Dv may differ from q's and k's D (MLA)."""
     if not _bi():
         h, g, t = q_BHQD.shape[1], k_BGTD.shape[1], k_BGTD.shape[2]
         mask_BQT = torch.arange(t, device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
@@ -150,9 +158,10 @@ def attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
         # (excluding it everywhere took a 0.5B training step from 236 to 632 ms).
         few = q_BHQD.is_cuda and q_BHQD.shape[2] <= _FEW_QUERIES
         with sdpa_kernel(_SDPA_NO_CUDNN) if few else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g)
+            return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask_BQT[:, None], enable_gqa=h != g,
+                                                  scale=scale)
     if use_triton(q_BHQD):
         from lockstep_kernels.gpu.attention import bi_attention
 
-        return bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
-    return torch_ref.attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
+        return bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale)
+    return torch_ref.attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale)

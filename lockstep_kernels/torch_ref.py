@@ -42,6 +42,10 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + torch.exp(-x))
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -59,17 +63,19 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_softmax(x))
 
 
-def attention(q_BHQD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, qpos_BQ: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v over keys 0..qpos, with keys reduced in fixed, position-aligned blocks."""
+def attention(q_BHQD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, qpos_BQ: torch.Tensor,
+              scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over keys 0..qpos (scale 1/sqrt(D) unless given; v may have its own head
+    dim), with keys reduced in fixed, position-aligned blocks."""
     b, h, q, d = q_BHQD.shape
-    g, t = k_BGTD.shape[1], k_BGTD.shape[2]
+    g, t, dv = k_BGTD.shape[1], k_BGTD.shape[2], v_BGTD.shape[-1]
     rep = h // g
     tp = (t + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
     if tp != t:
         k_BGTD = F.pad(k_BGTD, (0, 0, 0, tp - t))
         v_BGTD = F.pad(v_BGTD, (0, 0, 0, tp - t))
     mask_BQT = torch.arange(tp, device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
     qf = q_BHQD.float().reshape(b, g, rep, q, 1, d) * scale
     kf, vf = k_BGTD.float(), v_BGTD.float()
     mask = mask_BQT[:, None, None]  # [B,1,1,Q,T]
@@ -81,10 +87,10 @@ def attention(q_BHQD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, 
         scores.append(sc.masked_fill(~mask[..., s: s + KEY_BLOCK], float("-inf")))
     m = torch.stack([sc.amax(-1) for sc in scores], 0).amax(0)  # exact, order-free
     denom = torch.zeros_like(m)
-    acc = qf.new_zeros(b, g, rep, q, d)
+    acc = qf.new_zeros(b, g, rep, q, dv)
     for s, sc in zip(blocks, scores):
         p = torch.exp(sc - m[..., None])
         denom = denom + p.sum(-1)
         acc = acc + (p[..., None] * vf[:, :, None, None, s: s + KEY_BLOCK]).sum(-2)
     out = acc / denom[..., None]
-    return out.reshape(b, h, q, d).to(q_BHQD.dtype)
+    return out.reshape(b, h, q, dv).to(q_BHQD.dtype)

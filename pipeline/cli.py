@@ -8,6 +8,7 @@
   lockstep buffer inspect|verify RUN_DIR     per-step table of the rollout buffer / check every checksum
   lockstep summary RUN_DIR                     the end-of-run summary (and reward.png) again
   lockstep status RUN_DIR                      steps, last checkpoint, job attempts, failures and their nodes
+  lockstep eval RUN_DIR|MODEL_DIR [--dataset NAME=PATH ...] [--out DIR] [overrides]   evaluate a model alone
   lockstep data make-arith OUT_DIR             write the synthetic arithmetic task as JSONL
 """
 
@@ -33,9 +34,11 @@ def cmd_run(args) -> int:
         cfg = load_config(args.config, args.overrides)
         cfg, rundir = prepare_run(cfg)
     clock.publish(rundir.startup_file(LAUNCH))
-    print(f"lockstep: run_dir {rundir.root} ({cfg.num_rollout} steps, "
-          f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
-          f"{cfg.engine.num_engines} engine(s), {cfg.train.num_gpus} trainer rank(s))", file=sys.stderr)
+    shape = (f"SFT, {cfg.samples_per_step} rows/step" if cfg.sft else
+             f"{cfg.rollout.rollout_batch_size}x{cfg.rollout.n_samples_per_prompt} samples/step, "
+             f"{cfg.engine.num_engines} engine(s)")
+    print(f"lockstep: run_dir {rundir.root} ({cfg.num_rollout} steps, {shape}, {cfg.train.num_gpus} trainer rank(s))",
+          file=sys.stderr)
     run_local(cfg, rundir, progress=not args.no_progress)
     if cfg.logging.plot:
         plot_rewards(rundir.root)
@@ -141,6 +144,20 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from pipeline.launch.evaluate import run_eval
+    from pipeline.observability.report import eval_table
+
+    summary, out = run_eval(args.target, args.dataset, args.overrides, args.out)
+    s = summary["sampling"]
+    print(f"eval of {args.target}: {summary['n_samples_per_prompt']} sample(s) per prompt, temperature"
+          f" {s['temperature']}, top_p {s['top_p']}, at most {s['max_new_tokens']} tokens")
+    print(eval_table(summary))
+    for name, path in summary["sets"].items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def cmd_buffer(args) -> int:
     from pipeline.buffer import tools
 
@@ -198,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="summary and reward plot of a finished run")
     s.add_argument("run_dir")
     s.set_defaults(fn=cmd_summary)
+
+    e = sub.add_parser("eval", help="evaluate a run's final model, or a model directory, on held-out sets")
+    e.add_argument("target", help="a run directory (its hf/ export and config) or a Hugging Face model directory")
+    e.add_argument("overrides", nargs="*", help="key.sub=value, e.g. eval.n_samples_per_prompt=8 eval.temperature=0")
+    e.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH",
+                   help="an eval set (repeatable); replaces eval.datasets of the run's config")
+    e.add_argument("--out", default=None, help="results directory (default: RUN_DIR/eval/hf; required for a model dir)")
+    e.set_defaults(fn=cmd_eval)
 
     b = sub.add_parser("buffer", help="inspect or verify a run's rollout buffer")
     b.add_argument("action", choices=["inspect", "verify"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 import torch
 
@@ -171,7 +172,7 @@ def test_token_advantages_whitened_across_ranks():
 
     samples = [Sample(i // 2, i % 2, 0, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), reward=float(i % 3)) for i in range(6)]
     batch = RolloutBatch.from_samples(samples)
-    cfg = AlgoConfig(advantage_estimator="reinforce_plus_plus_baseline", gamma=0.9)
+    cfg = AlgoConfig(advantage_estimator="reinforce_plus_plus", gamma=0.9)
     single, _ = token_advantages(batch, list(range(6)), None, cfg, lambda *v: v)
     parts = {}
 
@@ -188,3 +189,52 @@ def test_token_advantages_whitened_across_ranks():
     split = np.where(np.arange(len(single)) < batch.response_offsets[3], adv_a, adv_b)
     assert np.allclose(split, single, atol=1e-6)
     assert abs(single.mean()) < 1e-6
+
+
+def test_reinforce_plus_plus_baseline_is_miles_definition():
+    """(reward - group mean) on every token minus the token's own KL penalty, then whitened over the
+    batch: by hand for two groups of two, one with a reference policy's per-token KL."""
+    from pipeline.buffer.schema import RolloutBatch, Sample
+    from pipeline.config.schema import AlgoConfig
+    from pipeline.errors import ConfigError
+    from pipeline.trainer.targets import Scores, token_advantages
+
+    lens = [2, 3, 1, 2]
+    rewards = [1.0, 0.0, 0.5, 0.5]
+    samples = [Sample(i // 2, i % 2, 0, [1, 2], [3] * n, [-0.5] * n, reward=r)
+               for i, (n, r) in enumerate(zip(lens, rewards))]
+    batch = RolloutBatch.from_samples(samples)
+    old = np.linspace(-1.0, -0.2, sum(lens)).astype(np.float32)
+    ref = (old - 0.1 * np.arange(sum(lens))).astype(np.float32)
+    scores = Scores(old, ref, None)
+    cfg = AlgoConfig(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.5)
+    adv, _ = token_advantages(batch, list(range(4)), scores, cfg, lambda *v: v)
+    centred = np.repeat([0.5, -0.5, 0.0, 0.0], lens) - 0.5 * (old.astype(np.float64) - ref)
+    want = (centred - centred.mean()) / np.sqrt(centred.var(ddof=1) + 1e-8)
+    assert np.allclose(adv, want, atol=1e-6)
+    with pytest.raises(ConfigError, match="gamma must be 1"):
+        AlgoConfig(advantage_estimator="reinforce_plus_plus_baseline", gamma=0.9)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("estimator, dual", [("grpo", None), ("grpo", 3.0), ("gspo", None)])
+def test_extreme_log_ratios_give_finite_losses_and_gradients(kl_type, estimator, dual):
+    """Log-ratios of +-100 against the old and the reference policy (a token whose probability moved by
+    e^100): every loss term and its gradient stay finite (log-ratios clamped to +-20 before exp,
+    low_var_kl to +-10, as verl and Miles do)."""
+    from pipeline.config.schema import AlgoConfig
+
+    algo = AlgoConfig(advantage_estimator=estimator, eps_clip_c=dual, kl_loss_coef=0.1, kl_loss_type=kl_type)
+    logp = torch.tensor([-0.5, -1.0, -0.1, -2.0], requires_grad=True)
+    old = logp.detach() + torch.tensor([100.0, -100.0, 100.0, -100.0])
+    ref = logp.detach() + torch.tensor([-100.0, 100.0, 0.0, 50.0])
+    t = PolicyTokens(logp, old, torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.ones(4), torch.full((4,), 0.25),
+                     ref_logp_M=ref, sample_of_M=torch.tensor([0, 0, 1, 1]), num_samples=2)
+    loss, metrics = grpo_loss(PolicyLossConfig.from_algo(algo), t)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+    if kl_type == "low_var_kl":
+        assert float(metrics["kl_loss_sum"].abs().max()) <= 4 * 10.0
+    w, _, m = off_policy_weights(old, logp.detach(), torch.ones(4), kind="tis")
+    assert torch.isfinite(w).all() and all(torch.isfinite(v).all() for v in m.values())

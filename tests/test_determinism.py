@@ -226,7 +226,7 @@ def test_r3_replays_in_activation_recompute(moe_dir):
     """With recompute, the backward's second forward routes by the same trace: same gradients as without."""
     from pipeline.models.attention import PackedCausal
     from pipeline.models.hf_io import load_model
-    from pipeline.models.qwen3 import MoeRouting
+    from pipeline.models.decoder_layer import MoeRouting
     from torch.distributed._composable import checkpoint
 
     ids = torch.randint(0, 50, (20,), generator=torch.Generator().manual_seed(0))

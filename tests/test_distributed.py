@@ -62,12 +62,14 @@ def test_weight_transports_come_from_one_factory():
     transport declares that it always pauses; an unknown type is refused by name."""
     from pipeline.weights.base import WeightTransport
     from pipeline.weights.broadcast import BroadcastTransport
+    from pipeline.weights.common import SyncedTransport
 
     cpu = torch.device("cpu")
     for kind, cls, pauses in (("broadcast", BroadcastTransport, False), ("tensor", TensorTransport, True)):
         t = make_transport(WeightsConfig(type=kind), [EngineClient("http://127.0.0.1:9")], cpu, "127.0.0.1")
         assert type(t) is cls and isinstance(t, WeightTransport) and t.always_pauses is pauses
-        assert cls.__mro__ == (cls, object)  # no transport is built from another one
+        # no transport is built from another one (they share only the VersionSync delegation)
+        assert cls.__mro__ == (cls, SyncedTransport, object)
         t.close()
     with pytest.raises(ValueError, match="weights.type='files': use broadcast or tensor"):
         make_transport(WeightsConfig(type="files"), [], cpu, "127.0.0.1")

@@ -7,8 +7,8 @@ dependency); imports under `if TYPE_CHECKING:` are left out (they never run).
   - pipeline.launch is the top floor: only launch/ itself and cli.py import it;
   - pipeline.run is the ground floor: it imports nothing of Lockstep but pipeline.utils.
 
-An import that breaks a rule in code another change is fixing is listed in KNOWN_EDGES: the checks
-leave it out, and an expected failure (strict) per entry says when it is gone, so the entry goes too.
+An import that breaks a rule in code another change is fixing may be listed in KNOWN_EDGES (empty now):
+the checks leave it out, and test_known_edges_still_exist says when it is gone, so the entry goes too.
 """
 
 from __future__ import annotations
@@ -23,16 +23,7 @@ PACKAGES = ("pipeline", "lockstep_kernels")
 
 # (importer, imported) -> why it is still there. Each closes an import cycle (or, the first, makes the
 # kernel library import the app); without them the graph has no cycle.
-KNOWN_EDGES = {
-    ("pipeline.rollout.engine.speculative", "pipeline.rollout.engine.core"):
-        "engine: speculative.py takes sampling_rows from core.py, which builds the SpecDecoder (sampling_rows"
-        " reads LOCKSTEP_OVERLAP, the switch the kernels/weights change is turning into config)",
-    ("pipeline.models.mtp", "pipeline.models.qwen3"):
-        "models: the decoder builds the MTP head, which is made of the decoder's RMSNorm, Linear and"
-        " DecoderLayer (a layers module both import would end it)",
-    ("pipeline.models.config", "pipeline.models.hf_config"):
-        "models: ModelArgs.from_hf / to_hf delegate to hf_config.py, which builds ModelArgs",
-}
+KNOWN_EDGES: dict[tuple[str, str], str] = {}  # none left: every rule holds for the whole tree
 
 LAUNCH_USERS = ("pipeline.launch", "pipeline.cli")  # who may import pipeline.launch
 RUN_MAY_IMPORT = ("pipeline.run", "pipeline.utils")  # all pipeline.run may import of Lockstep
@@ -185,11 +176,10 @@ def test_kernels_do_not_import_pipeline(graph):
     assert not bad, "lockstep_kernels imports pipeline:\n" + "\n".join(f"{a} -> {b} (line {n})" for a, b, n in bad)
 
 
-@pytest.mark.parametrize("edge", [pytest.param(e, id="->".join(e), marks=pytest.mark.xfail(strict=True, reason=why))
-                                  for e, why in KNOWN_EDGES.items()])
-def test_known_edge_is_gone(graph, edge):
-    """Expected to fail until the change named in KNOWN_EDGES lands; then delete the entry."""
-    assert edge[1] not in graph[edge[0]], f"{edge[0]} still imports {edge[1]} (line {graph[edge[0]][edge[1]]})"
+def test_known_edges_still_exist(graph):
+    """An entry of KNOWN_EDGES whose import is gone must go too (the exception would hide a new one)."""
+    stale = [f"{a} -> {b}" for a, b in KNOWN_EDGES if b not in graph.get(a, {})]
+    assert not stale, "delete these KNOWN_EDGES entries, the imports are gone: " + ", ".join(stale)
 
 
 def test_launch_is_the_top_floor(graph):

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import dist_helpers
 from conftest import make_model_dir
 from pipeline.models.hf_io import load_model
-from pipeline.models.qwen3 import MoeRouting
+from pipeline.models.decoder_layer import MoeRouting
 from pipeline.run import RunDir
 from pipeline.trainer.megatron.convert import fuse_qkv, to_hf, to_megatron, unfuse_qkv
 

@@ -18,6 +18,7 @@ from pipeline.launch.prepare import check_memory
 from pipeline.models.config import model_preset
 
 from conftest import REPO
+from pipeline.models.hf_config import write_hf_config
 
 BENCH = os.path.join(REPO, "configs", "bench-0.5b.yaml")
 H200 = 139.0  # GiB usable on one H200
@@ -37,10 +38,10 @@ def test_presets_have_the_real_shapes():
     assert (m.hidden_size, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_attention_heads,
             m.num_key_value_heads, m.head_dim, m.norm_topk_prob, m.tie_word_embeddings) == (
         2048, 128, 8, 768, 32, 4, 128, True, False)
-    assert m.to_hf()["model_type"] == "qwen3_moe"
+    assert write_hf_config(m)["model_type"] == "qwen3_moe"
 
 
-@pytest.mark.parametrize("preset", ["qwen3-4b", "qwen3-moe-small", "tiny-moe"])
+@pytest.mark.parametrize("preset", ["qwen3-4b", "qwen3-moe-small", "tiny-moe", "deepseek-v3-tiny", "deepseek-v3-small"])
 def test_parameter_counts_match_the_module(preset):
     """The estimator's per-layer and root counts add up to the real module's parameters (built on the
     meta device: no memory)."""
@@ -73,12 +74,18 @@ class _FlashCtx:
     def attend(self, layer_idx, q, k, v):
         return _FlashLike.apply(q, k, v)
 
+    def attend_latent(self, layer_idx, q, latent, mla):
+        """MLA through PackedCausal's grid path (its v head dim differs: no varlen kernel): the latent
+        rows expanded, q / k / v scattered into the grid (copies), the output gathered back (a copy)."""
+        k, v = mla.expand(latent)
+        return _FlashLike.apply(q.clone(), k.clone(), v.clone()).clone()
+
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_layer_activation_bytes_are_what_autograd_keeps(moe):
     """layer_activation_bytes against the tensors a bf16 decoder layer really saves for backward
     (parameters, the layer's input and the shared RoPE tables excluded; attention keeps flash's set)."""
-    from pipeline.models.qwen3 import DecoderLayer, MoeRouting
+    from pipeline.models.decoder_layer import DecoderLayer, MoeRouting
     from pipeline.models.rope import rope_cos_sin
 
     a = model_preset("tiny-dense", 100, None, 0, 0)
@@ -104,6 +111,38 @@ def test_layer_activation_bytes_are_what_autograd_keeps(moe):
     assert M.layer_activation_bytes(a, 0, 2) * n == pytest.approx(kept, rel=0.002)
 
 
+@pytest.mark.parametrize("layer_idx", [0, 1], ids=["mla-dense", "mla-moe"])
+def test_deepseek_layer_activation_bytes_are_what_autograd_keeps(layer_idx):
+    """The same for DeepSeek-V3 layers: MLA (q LoRA, latent row, expanded keys / values in the grid)
+    and the DeepSeek MoE block (fp32 grouped router, routed and shared experts)."""
+    from pipeline.models.decoder_layer import DecoderLayer, MoeRouting
+    from pipeline.models.rope import rope_cos_sin
+
+    a = dataclasses.replace(model_preset("deepseek-v3-tiny", 100, None, 0, 0), hidden_size=128, intermediate_size=352,
+                            moe_intermediate_size=96, kv_lora_rank=48, q_lora_rank=40, v_head_dim=12, n_shared_experts=2)
+    n = 97
+    torch.manual_seed(0)
+    layer = DecoderLayer(a, layer_idx).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.1)
+    x = torch.randn(n, a.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(n), a, torch.bfloat16)
+    saved = {}
+
+    def pack(t):
+        if t.numel() != a.num_experts * a.hidden_size:  # the router's fp32 copy of its weight: per layer
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos, sin, _FlashCtx(), MoeRouting() if layer_idx else None)
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {
+        t.untyped_storage().data_ptr() for t in (x, cos, sin)}
+    kept = sum(nbytes for ptr, nbytes in saved.items() if ptr not in skip)
+    assert M.layer_activation_bytes(a, layer_idx, 2) * n == pytest.approx(kept, rel=0.002)
+
+
 def test_the_4b_config_that_ran_out_of_memory_is_refused_naming_the_fixes():
     """qwen3-4b at the bench recipe's sizes, engine and trainer resident together on one H200, ran out
     of memory; the check refuses it with the settings that fit, the bigger saving first."""
@@ -127,6 +166,27 @@ def test_the_bench_recipe_fits_one_h200(preset):
     est = M.check(bench(f"model.init={preset}"), ONE_GPU, H200)
     assert est.total < H200 * M.GIB
     assert "per GPU" in est.line() and "\n" not in est.line()
+
+
+def test_deepseek_v3_small_has_real_widths_and_fits_colocated_with_recompute():
+    """DeepSeek-V3's widths (the experts' intermediate size excepted: see pipeline/models/config.py) in a
+    dense and two MoE layers; it fits one H200 with 10% to spare colocated with recompute, a fourth layer
+    would not; its KV cache is the latent's (kv_lora_rank + rope dims per token and layer); the real
+    expert width's AdamW states alone would take half the GPU."""
+    a = model_preset("deepseek-v3-small", 100, None, 0, 0)
+    assert (a.hidden_size, a.num_attention_heads, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+            a.v_head_dim, a.num_experts, a.num_experts_per_tok, a.n_group, a.topk_group, a.n_shared_experts,
+            a.intermediate_size, a.vocab_size, a.moe_layers) == (
+        7168, 128, 1536, 512, 128, 64, 128, 256, 8, 8, 4, 1, 18432, 129280, [1, 2])
+    assert write_hf_config(a)["model_type"] == "deepseek_v3"
+    cfg = bench("model.init=deepseek-v3-small", "engine.colocated=true", "train.recompute_activations=true")
+    est = M.check(cfg, ONE_GPU, H200)
+    assert est.total < 0.9 * H200 * M.GIB
+    one_more = dataclasses.replace(M.model_args(cfg), num_hidden_layers=4)
+    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.9 * H200 * M.GIB
+    assert est.engine.kv_cache == 3 * 256 * (512 + 64) * (256 + 512) * 2  # layers x slots x row x context x bf16
+    real_experts = dataclasses.replace(M.model_args(cfg), moe_intermediate_size=2048)
+    assert M.estimate(cfg, ONE_GPU, H200, real_experts).trainer.optimizer > H200 * M.GIB / 2
 
 
 def test_the_moe_preset_fits_with_room_when_colocated_with_recompute():

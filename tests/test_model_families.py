@@ -14,10 +14,11 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline.errors import UserError
-from pipeline.models.attention import PackedCausal
 from pipeline.models.config import ModelArgs
+from parity import hf_model, ours_logits, write_random_checkpoint
 from pipeline.models.hf_io import load_model, read_state_dict, save_model
 from pipeline.run import RunDir
+from pipeline.models.hf_config import read_hf_config, write_hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,12 +46,7 @@ def hf_checkpoint(path: str, model_type: str, rope: dict | None = None, legacy: 
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     if rope is not None:
         cfg.rope_parameters = {"rope_theta": 10_000.0, **rope}
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
-    model.save_pretrained(path)
+    write_random_checkpoint(cfg, path, seed)
     if legacy:
         file = os.path.join(path, "config.json")
         raw = json.load(open(file))
@@ -64,16 +60,6 @@ def hf_checkpoint(path: str, model_type: str, rope: dict | None = None, legacy: 
     return path
 
 
-def hf_model(path: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
-def ours_logits(model, ids_BT):
-    b, t = ids_BT.shape
-    ctx = PackedCausal.from_lengths([t] * b)
-    with torch.no_grad():
-        return model(ids_BT.flatten(), ctx.positions, ctx, logits_at_M=torch.arange(b * t)).view(b, t, -1)
 
 
 # (model_type, rope, legacy form, config overrides). Positions run to 60, past the original 16, where
@@ -127,7 +113,7 @@ def test_family_matches_transformers_and_exports_reloadable(case, tmp_path):
     assert written["model_type"] == model_type and written["architectures"] == read["architectures"]
     for key in ("rope_scaling", "rope_parameters", "rope_theta"):
         assert written.get(key) == read.get(key), key
-    assert ModelArgs.from_hf(written) == args
+    assert read_hf_config(written) == args
 
 
 def test_legacy_rope_type_key_was_the_silent_case(tmp_path):
@@ -142,8 +128,8 @@ def test_legacy_rope_type_key_was_the_silent_case(tmp_path):
         torch.testing.assert_close(a, hf_model(scaled)(ids).logits, rtol=1e-5, atol=2e-5)
 
 
-def test_moe_family_is_qwen3_only():
-    with pytest.raises(UserError, match="Qwen3-MoE family only"):
+def test_moe_family_is_qwen3_or_deepseek_only():
+    with pytest.raises(UserError, match="Qwen3-MoE and DeepSeek-V3 families only"):
         ModelArgs(**TINY, family="llama", **MOE)
 
 
@@ -204,11 +190,11 @@ REAL = {"Qwen2.5-7B-Instruct": QWEN25_7B_INSTRUCT, "DeepSeek-R1-Distill-Qwen-1.5
 @pytest.mark.parametrize("name", list(REAL))
 def test_public_configs_are_read_and_written_back(name):
     raw = REAL[name]
-    args = ModelArgs.from_hf(copy.deepcopy(raw))
+    args = read_hf_config(copy.deepcopy(raw))
     assert args.model_type == raw["model_type"]
     assert args.qk_norm == (raw["model_type"].startswith("qwen3")) and args.qkv_bias == (raw["model_type"] == "qwen2")
-    written = args.to_hf()
-    assert ModelArgs.from_hf(written) == args
+    written = write_hf_config(args)
+    assert read_hf_config(written) == args
     assert written["rope_scaling"] == raw.get("rope_scaling") and written["rope_theta"] == raw["rope_theta"]
     assert written["eos_token_id"] == raw["eos_token_id"]  # a list stays a list (Llama 3.1's three)
     theirs = transformers.AutoConfig.for_model(**{k: v for k, v in written.items() if k != "architectures"})
@@ -261,17 +247,17 @@ REFUSED = [
 @pytest.mark.parametrize("cfg,fragment", REFUSED, ids=[f[1][:40] for f in REFUSED])
 def test_fields_lockstep_does_not_implement_are_refused_by_name(cfg, fragment):
     with pytest.raises(UserError) as e:
-        ModelArgs.from_hf(cfg)
+        read_hf_config(cfg)
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
 def test_harmless_fields_are_accepted_and_kept():
     cfg = _edit(QWEN25_7B_INSTRUCT, _name_or_path="Qwen/Qwen2.5-7B-Instruct", temperature=0.7, top_p=0.8,
                 layer_types=["full_attention"] * 20 + ["sliding_attention"] * 8)  # sliding switched off
-    args = ModelArgs.from_hf(cfg)
+    args = read_hf_config(cfg)
     # switched on, but on no layer: max_window_layers (28) >= num_hidden_layers (28)
-    ModelArgs.from_hf(_edit(QWEN25_7B_INSTRUCT, use_sliding_window=True))
-    written = args.to_hf()
+    read_hf_config(_edit(QWEN25_7B_INSTRUCT, use_sliding_window=True))
+    written = write_hf_config(args)
     assert written["temperature"] == 0.7 and written["layer_types"] == cfg["layer_types"]
     assert written["use_sliding_window"] is False and "_name_or_path" not in written
 
@@ -383,9 +369,9 @@ def test_megatron_refuses_biases_it_cannot_express():
     from pipeline.errors import ConfigError
     from pipeline.config.validate import check_megatron_model
 
-    check_megatron_model(ModelArgs.from_hf(QWEN25_7B_INSTRUCT))
+    check_megatron_model(read_hf_config(QWEN25_7B_INSTRUCT))
     with pytest.raises(ConfigError, match="attention_bias=true on model_type 'llama' .o_proj bias., mlp_bias=true"):
-        check_megatron_model(ModelArgs.from_hf(_edit(LLAMA31_8B_INSTRUCT, attention_bias=True, mlp_bias=True)))
+        check_megatron_model(read_hf_config(_edit(LLAMA31_8B_INSTRUCT, attention_bias=True, mlp_bias=True)))
 
 
 # ---- whole runs -----------------------------------------------------------------------------------

@@ -117,3 +117,26 @@ def test_checkpoints_and_configs_that_cannot_train_are_refused_in_one_line(tmp_p
     cfg["vocab_size"] = 10
     (small / "config.json").write_text(json.dumps(cfg))
     assert "do not belong together" in refused(f"model.path={small}", f"run_dir={tmp_path}/d")
+
+
+def test_the_launchers_checks_do_not_import_torch(dense_dir, tmp_path):
+    """Every check of a run with a checkpoint (config.json read strictly, weights present, tokenizer,
+    every data row, the memory estimate) runs without torch: importing it is seconds of every start-up
+    (3-4 s on the H200's host), paid before a single component starts."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = (
+        "import sys\n"
+        "from pipeline.config import load_config\n"
+        "from pipeline.launch.prepare import check_inputs, check_memory, resolve_paths\n"
+        f"cfg = resolve_paths(load_config(None, ['run_dir={tmp_path}/run', 'model.path={dense_dir}']))\n"
+        "check_inputs(cfg)\n"
+        "check_memory(cfg)\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -132,10 +132,30 @@ def check_attention(small):
                 assert torch.equal(full, o[:, :, p: p + 1]), ("cache length changed the result", dtype, p)
             assert torch.equal(bi_attention(q[:1], k[:1], v[:1], qpos[:1]), o[:1]), "batch composition changed the result"
             out[f"{dtype}-b{b}h{h}g{g}d{d}t{t}"] = err
+    # MLA (DeepSeek-V3): q / k head dim 192 and v 128 at real size (24 / 16 small), padded to the kernel's
+    # next width; a softmax scale of its own (YaRN's mscale)
+    mla = [(2, 4, 4, 24, 16, 21)] if small else [(1, 16, 16, 192, 128, 300)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, g, d, dv, t in mla:
+            q, k, v = randn(b, h, t, d, dtype=dtype, seed=7), randn(b, g, t, d, dtype=dtype, seed=8), randn(b, g, t, dv, dtype=dtype, seed=9)
+            qpos = torch.arange(t, device=DEV)[None].expand(b, t).contiguous()
+            scale = 1.37 * d ** -0.5
+            o = bi_attention(q, k, v, qpos, scale)
+            assert o.shape == (b, h, t, dv)
+            err = rel(o, sdpa_reference(q.double(), k.double(), v.double(), qpos, scale))
+            assert err < TOL[dtype] * 2, ("mla", dtype, d, dv, err)
+            for p in sorted({0, t // 2, t - 1}):
+                one = bi_attention(q[:, :, p: p + 1].contiguous(), k[:, :, : p + 1], v[:, :, : p + 1], torch.full((b, 1), p, device=DEV), scale)
+                assert torch.equal(one, o[:, :, p: p + 1]), ("mla decode != prefill", dtype, p)
+            assert torch.equal(bi_attention(q[:1], k[:1], v[:1], qpos[:1], scale), o[:1]), "mla batch composition"
+            out[f"mla-{dtype}-d{d}dv{dv}t{t}"] = err
     q, k, v = (randn(1, 4, 9, 16, seed=s).requires_grad_() for s in (4, 5, 6))
     qpos = torch.arange(9, device=DEV)[None]
     bi_attention(q, k, v, qpos).sum().backward()
     assert q.grad is not None and torch.isfinite(k.grad).all()
+    q, k, v = randn(1, 4, 9, 24, seed=4).requires_grad_(), randn(1, 4, 9, 24, seed=5).requires_grad_(), randn(1, 4, 9, 16, seed=6).requires_grad_()
+    bi_attention(q, k, v, qpos, 0.3).sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape and torch.isfinite(k.grad).all()
     return out
 
 

@@ -120,7 +120,7 @@ def query_spans(qpos_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qstart.to(torch.int32).contiguous(), consecutive.sum(1).to(torch.int32).contiguous()
 
 
-def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
+def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -> torch.Tensor:
     b, h, q, d = q_BHQD.shape
     g, t = k_BGTD.shape[1], k_BGTD.shape[2]
     assert d in (16, 32, 64, 128, 256) and h % g == 0, (d, h, g)
@@ -133,33 +133,47 @@ def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
         q_BHQD, k_BGTD, v_BGTD, out, qstart, qlen,
         q_BHQD.stride(0), q_BHQD.stride(1), q_BHQD.stride(2), k_BGTD.stride(0), k_BGTD.stride(1), k_BGTD.stride(2),
         v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        h, g, t, d ** -0.5, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET,
+        h, g, t, d ** -0.5 if scale is None else scale, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET,
         IEEE=q_BHQD.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     return out
 
 
-def sdpa_reference(q_BHQD, k_BGTD, v_BGTD, qpos_BQ):
+def sdpa_reference(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None):
     mask = torch.arange(k_BGTD.shape[2], device=qpos_BQ.device)[None, None, :] <= qpos_BQ[:, :, None]
     return F.scaled_dot_product_attention(q_BHQD, k_BGTD, v_BGTD, attn_mask=mask[:, None],
-                                          enable_gqa=q_BHQD.shape[1] != k_BGTD.shape[1])
+                                          enable_gqa=q_BHQD.shape[1] != k_BGTD.shape[1], scale=scale)
 
 
 class BiAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qpos):
+    def forward(ctx, q, k, v, qpos, scale):
         ctx.save_for_backward(q, k, v, qpos)
-        return attention_fwd(q, k, v, qpos)
+        ctx.scale = scale
+        return attention_fwd(q, k, v, qpos, scale)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, qpos = ctx.saved_tensors
         with torch.enable_grad():
             qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-            out = sdpa_reference(qr, kr, vr, qpos)
+            out = sdpa_reference(qr, kr, vr, qpos, ctx.scale)
             gq, gk, gv = torch.autograd.grad(out, (qr, kr, vr), grad)
-        return gq, gk, gv, None
+        return gq, gk, gv, None, None
 
 
-def bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ) -> torch.Tensor:
-    return BiAttention.apply(q_BHQD, k_BGTD, v_BGTD, qpos_BQ)
+KERNEL_DIMS = (16, 32, 64, 128, 256)
+
+
+def bi_attention(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -> torch.Tensor:
+    """The kernel for any head dims up to 256: q/k of D and v of Dv (MLA: 192 and 128) are zero-padded
+    to the next kernel width (zeros add exact zeros to every dot product and output column), the output
+    sliced back; the softmax scale stays 1/sqrt(D) unless given."""
+    d, dv = q_BHQD.shape[-1], v_BGTD.shape[-1]
+    width = next((w for w in KERNEL_DIMS if w >= max(d, dv)), None)
+    assert width is not None, f"head dims {d} / {dv} exceed the kernel's {KERNEL_DIMS[-1]}"
+    scale = d ** -0.5 if scale is None else scale
+    if width == d == dv:
+        return BiAttention.apply(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale)
+    q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q_BHQD, k_BGTD, v_BGTD))
+    return BiAttention.apply(q, k, v, qpos_BQ, scale)[..., :dv]

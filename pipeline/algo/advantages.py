@@ -8,7 +8,8 @@ sample index of each token. Pure functions over tensors; no config objects, no I
   gspo                          as grpo (GSPO changes the ratio, not the advantage: losses.py)
   reinforce_plus_plus           per-token rewards (final reward minus KL penalty), discounted returns,
                                 whitened over the whole batch (pipeline/trainer/targets.py)
-  reinforce_plus_plus_baseline  group-mean baseline subtracted from the final reward first
+  reinforce_plus_plus_baseline  (r - mean_group) on every token minus the token's KL penalty, whitened
+                                over the batch; undiscounted, as in Miles/slime/verl (gamma must be 1)
   ppo                           GAE(gamma, lambda) over per-token rewards with a critic's values
 The token-level ones are per-sample NumPy functions below; targets.py applies them and whitens.
 """

@@ -6,7 +6,8 @@ built by `reduction_scale` from counts over the whole global batch (all ranks, a
 so micro-batches and ranks add up to exactly one token-mean, sample-mean or Dr. GRPO sum.
 Metrics are sums (keys ending in `_sum`); the caller reduces them and divides by the token count.
 The policy loss takes its settings (PolicyLossConfig, built once from the algo config) and one
-micro-batch's tensors (PolicyTokens) as two arguments.
+micro-batch's tensors (PolicyTokens) as two arguments. `sft_loss` is the supervised loss (Miles
+sft_loss): the same reduction over the response tokens, no ratio, no advantages.
 """
 
 from __future__ import annotations
@@ -16,17 +17,30 @@ from typing import Literal
 
 import torch
 
+LOG_RATIO_CLAMP = 20.0
+"""Every log-ratio that is exponentiated is clamped to [-20, 20] first (verl's and Miles' bound): a token
+whose probability moved by e^100 would make exp() overflow to inf and its gradient NaN. Clamped tokens
+get no gradient through the ratio; exp(20) = 4.9e8 is still far outside any clip range."""
+LOW_VAR_KL_CLAMP = 10.0
+"""low_var_kl's per-token value is clamped to [-10, 10] (the peers' bound)."""
+
+
+def clamped_log_ratio(logp_M: torch.Tensor, base_logp_M: torch.Tensor) -> torch.Tensor:
+    return (logp_M - base_logp_M).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
 
 def kl_estimate(logp_M: torch.Tensor, ref_logp_M: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimators of Schulman's note: k1, k2, k3 (= low_var_kl, clamped)."""
+    """Per-token KL(pi || ref) estimators of Schulman's note: k1, k2, k3 (= low_var_kl, clamped to +-10).
+    k3's log-ratio is clamped to +-20 before exp, so it stays finite."""
     log_ratio = logp_M - ref_logp_M
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind in ("k3", "low_var_kl"):
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         kl = torch.exp(-log_ratio) - 1 + log_ratio
-        return kl.clamp(-10, 10) if kind == "low_var_kl" else kl
+        return kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if kind == "low_var_kl" else kl
     raise ValueError(f"unknown kl type {kind!r}")
 
 
@@ -48,7 +62,7 @@ def sequence_ratio(log_ratio_M: torch.Tensor, mask_M: torch.Tensor, sample_of_M:
     sums = torch.zeros(num_samples, dtype=log_ratio_M.dtype, device=log_ratio_M.device)
     sums = sums.index_add(0, sample_of_M, log_ratio_M * mask_M)
     counts = torch.zeros_like(sums).index_add(0, sample_of_M, mask_M).clamp(min=1)
-    seq_log_ratio = (sums / counts)[sample_of_M]
+    seq_log_ratio = (sums / counts)[sample_of_M].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.exp(seq_log_ratio.detach() + log_ratio_M - log_ratio_M.detach()), seq_log_ratio
 
 
@@ -115,6 +129,7 @@ def policy_loss(cfg: PolicyLossConfig, t: PolicyTokens) -> tuple[torch.Tensor, d
     if cfg.ratio_type == "sequence":
         ratio, _ = sequence_ratio(log_ratio, mask_M, t.sample_of_M, t.num_samples)
     else:
+        log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(log_ratio)
     pg1 = -adv_M * ratio
     pg2 = -adv_M * ratio.clamp(1 - eps_clip, 1 + high)
@@ -146,7 +161,7 @@ def off_policy_weights(old_logp_M, rollout_logp_M, mask_M, *, kind: str, cap: fl
     tis: w_t = min(pi_train / pi_rollout, cap) (truncated importance sampling).
     icepop: tokens whose ratio leaves [low, high] are masked out of the loss (w = 1 elsewhere).
     Returns (weights, mask, metrics incl. the effective sample size ESS = (sum w)^2 / (n sum w^2))."""
-    ratio = torch.exp(old_logp_M - rollout_logp_M).detach()
+    ratio = torch.exp(clamped_log_ratio(old_logp_M, rollout_logp_M)).detach()
     if kind == "tis":
         w, mask = ratio.clamp(max=cap), mask_M
     elif kind == "icepop":
@@ -181,3 +196,14 @@ def grpo_loss(cfg: PolicyLossConfig, t: PolicyTokens) -> tuple[torch.Tensor, dic
         loss = loss - cfg.entropy_coef * (t.entropy_M * t.scale_M).sum()
         metrics["entropy_sum"] = (t.entropy_M * t.mask_M).sum().detach()
     return loss, metrics
+
+
+def sft_loss(logp_M: torch.Tensor, mask_M: torch.Tensor, scale_M: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised negative log-likelihood: loss = sum_t -logp_t * scale_t over tokens with mask_t > 0.
+
+    A masked token (a prompt or user turn) adds nothing to the loss and gets a gradient of exactly 0:
+    torch.where selects, so not even a non-finite logprob there leaks into the gradient. Metric:
+    sft_nll_sum, the NLL summed over the counted tokens (the caller divides by their number)."""
+    nll_M = -torch.where(mask_M > 0, logp_M, torch.zeros_like(logp_M))
+    loss = (nll_M * scale_M).sum()
+    return loss, {"sft_nll_sum": (nll_M * mask_M).sum().detach()}

@@ -122,6 +122,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, member, path)
             except ConfigError as e:
                 errors.append(e)
+        sections = [e for m, e in zip(non_none, errors) if _is_dataclass_type(m)]
+        if isinstance(value, dict) and len(sections) == 1:  # a mapping for `str | Section`: the section's own error
+            raise sections[0]
         raise ConfigError(f"{path}: expected {describe_type(tp)}, got {value!r}")
     origin = get_origin(tp)
     if origin is Literal:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError
-from pipeline.models.config import QWEN_VOCAB, REAL_SIZES, ModelArgs, model_preset
+from pipeline.models.config import ModelArgs, model_preset
+from pipeline.models.hf_config import read_hf_config
 
 GIB = float(1 << 30)
 
@@ -221,15 +222,17 @@ def model_args(cfg: RunConfig) -> ModelArgs:
     builds it: real sizes with Qwen's vocabulary, tiny ones with the tiny tokenizer's)."""
     if cfg.model.path:
         with open(os.path.join(cfg.model.path, "config.json")) as f:
-            args = ModelArgs.from_hf(json.load(f))
+            args = read_hf_config(json.load(f))
         return dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_layers)
     from pipeline.models.tokenizer import TINY_CHARS, TINY_SPECIALS
 
-    vocab = QWEN_VOCAB if cfg.model.init in REAL_SIZES else len(TINY_SPECIALS) + len(TINY_CHARS)
+    vocab = len(TINY_SPECIALS) + len(TINY_CHARS)  # real sizes pad it to their own vocabulary (model_preset)
     return model_preset(cfg.model.init, vocab, None, 0, 0, mtp_layers=cfg.model.mtp_num_layers)
 
 
 def _attention_params(a: ModelArgs) -> int:
+    if a.is_mla:
+        return a.attention_params()
     h, hd = a.hidden_size, a.head_dim
     qd, kd = a.num_attention_heads * hd, a.num_key_value_heads * hd
     bias = (qd + 2 * kd + h) if a.attention_bias else 0  # q, k, v, o
@@ -240,6 +243,9 @@ def layer_params(a: ModelArgs, i: int) -> tuple[int, int]:
     """(dense, expert) parameters of decoder layer i: attention, norms, dense MLP or router; experts."""
     h = a.hidden_size
     dense = _attention_params(a) + 2 * h
+    if a.is_mla:  # DeepSeek-V3: the router's correction bias and the shared experts are dense too
+        mlp_dense, experts = a.mlp_params(i)
+        return dense + mlp_dense, experts
     if a.is_moe_layer(i):
         return dense + a.num_experts * h, a.num_experts * 3 * h * a.moe_intermediate_size
     return dense + 3 * h * a.intermediate_size, 0
@@ -252,10 +258,11 @@ def root_params(a: ModelArgs) -> int:
 
 
 def mtp_params(a: ModelArgs) -> int:
-    """The MTP head (pipeline/models/mtp.py): fc [h, 2h], three norms, one decoder layer like layer 0."""
+    """The MTP head (pipeline/models/mtp.py): fc [h, 2h], three norms, one decoder layer like layer 0
+    (DeepSeek-V3: like its nextn layer, an MoE layer)."""
     if not a.mtp_num_hidden_layers:
         return 0
-    dense, experts = layer_params(a, 0)
+    dense, experts = layer_params(a, a.num_hidden_layers if a.is_mla else 0)  # DeepSeek's nextn layer: MoE
     return 2 * a.hidden_size * a.hidden_size + 3 * a.hidden_size + dense + experts
 
 
@@ -263,6 +270,18 @@ def _norm_bytes(width: int, rows: int, c: int) -> int:
     """What an RMSNorm over `rows` rows of `width` per token keeps: the fp32 copy, the normed value and
     the fp32 rsqrt per row (torch_ref.rms_norm)."""
     return (NORM_FP32_BYTES + c) * width + NORM_FP32_BYTES * rows
+
+
+def mla_activation_bytes(a: ModelArgs, c: int) -> float:
+    """Bytes per token an MLA block keeps for backward, its input norm excluded (pipeline/models/mla.py;
+    PackedCausal's grid path: flash attention's varlen kernel takes equal q/k and v head dims only)."""
+    H, D, V = a.num_attention_heads, a.head_dim, a.v_head_dim
+    C, R, ql = a.kv_lora_rank, a.qk_rope_head_dim, a.q_lora_rank or 0
+    q = _norm_bytes(ql, 1, c) + c * ql if ql else 0  # q_a_layernorm, and its output (q_b_proj's input)
+    kv = _norm_bytes(C, 1, c) + c * (C + R)  # kv_a_layernorm, the latent row (kv_b_proj's input)
+    # q, the expanded keys and values scattered into the [B, T] grid the attention keeps, its output and
+    # log-sum-exp, the output gathered back (o_proj's input); RoPE keeps only the shared cos / sin
+    return q + kv + c * H * (2 * D + V) + 2 * c * H * V + ATTN_LSE_BYTES * H
 
 
 def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
@@ -275,11 +294,24 @@ def layer_activation_bytes(a: ModelArgs, i: int, c: int) -> float:
     # q and k: their norm, and the RoPE'd tensor flash attention keeps (RoPE's products keep only the
     # shared cos / sin); q also attention's output (read by o_proj), k also v.
     attn = norm + _norm_bytes(qd, H, c) + _norm_bytes(kd, K, c) + 2 * c * (qd + kd) + ATTN_LSE_BYTES * H
+    if a.is_mla:
+        attn = norm + mla_activation_bytes(a, c)
+    if a.is_moe_layer(i) and a.is_mla:
+        k, e = a.num_experts_per_tok, a.num_experts
+        # the fp32 router (deepseek.TopkRouter): the fp32 copy of its input, the sigmoid scores, the
+        # expert mask (bool), each group's two best (int64 ids) and score, the chosen ids (int64), weights
+        # and their sum; per (token, expert) pair as Qwen3-MoE's below with an fp32 routing weight; the
+        # shared experts' gate / silu / up / product
+        g = a.n_group if a.topk_group < a.n_group else 0
+        router = 4 * h + (ROUTER_PROB_BYTES + 1) * e + 20 * g + 20 * k + 4
+        pair = 12 + 3 * c * h + 4 * c * a.moe_intermediate_size  # the token ids (int64), the fp32 weight
+        shared = 4 * c * a.moe_intermediate_size * a.n_shared_experts
+        return attn + norm + router + k * pair + shared
     if a.is_moe_layer(i):
         k = a.num_experts_per_tok
         # the router: fp32 softmax, top-k ids (int64), the chosen fp32 weights and their sum (norm_topk)
         router = ROUTER_PROB_BYTES * a.num_experts + 8 * k + 4 * k + 4
-        # per (token, expert) pair (qwen3.run_experts): the gather's and the placement's token ids and the
+        # per (token, expert) pair (layers.run_experts): the gather's and the placement's token ids and the
         # grouping order (int64), the routing weight, the gathered input, gate / silu / up / product, the
         # expert's output and the weighted one
         pair = 24 + c + c * h + 4 * c * a.moe_intermediate_size + 2 * c * h
@@ -321,7 +353,7 @@ def trainer_memory(a: ModelArgs, cfg: RunConfig) -> TrainerMemory:
         acts = sum(per_layer) + BACKWARD_LAYERS * biggest
     mtp = bool(a.mtp_num_hidden_layers) and t.mtp_loss_scaling_factor > 0 and t.backend == "fsdp"
     if mtp:
-        acts += layer_activation_bytes(a, 0, c)
+        acts += layer_activation_bytes(a, a.num_hidden_layers if a.is_mla else 0, c)
     acts *= n * act_share * (2 if critic else 1)  # PPO: the critic's graph is alive beside the policy's
     entropy = algo.entropy_coef > 0
     per_vocab = LOGIT_COPIES * c * (2 if mtp else 1) + (c if entropy else 0)
@@ -362,12 +394,19 @@ def engine_memory(a: ModelArgs, cfg: RunConfig, gpu_bytes: float) -> EngineMemor
         weights = total * c
     context = cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len
     kv_layers = a.num_hidden_layers + (1 if e.speculative_algorithm else 0)  # the draft head's own cache
-    kv = 2 * kv_layers * e.max_running_requests * a.num_key_value_heads * context * a.head_dim * c
+    if a.is_mla:  # LatentCache: one latent row (kv_lora_rank + qk_rope_head_dim) per token and layer
+        kv = kv_layers * e.max_running_requests * context * (a.kv_lora_rank + a.qk_rope_head_dim) * c
+    else:
+        kv = 2 * kv_layers * e.max_running_requests * a.num_key_value_heads * context * a.head_dim * c
     h = a.hidden_size
     if a.is_moe:  # live inside one layer of a prefill: residual, normed input, routed copies and expert MLPs
         live = 2 * h * c + a.num_experts_per_tok * (2 * h + 3 * a.moe_intermediate_size) * c + 4 * a.num_experts
+        if a.is_mla:  # fp32 routed outputs, the shared experts
+            live += a.num_experts_per_tok * 4 * h + 3 * a.moe_intermediate_size * a.n_shared_experts * c
     else:
         live = (2 * h + 3 * a.intermediate_size) * c
+    if a.is_mla:  # a prefill expands every latent row to all heads' keys and values (kv_b's output, keys, values)
+        live = max(live, a.num_attention_heads * (a.qk_nope_head_dim + 2 * a.head_dim + 2 * a.v_head_dim) * c)
     workspace = ENGINE_PREFILL_TOKENS * live + e.max_running_requests * a.vocab_size * SAMPLING_BYTES
     return EngineMemory(weights=weights, kv_cache=kv, workspace=workspace, context=ENGINE_CONTEXT_GIB * GIB)
 
@@ -385,7 +424,7 @@ def local_placement(cfg: RunConfig, gpu_visible: bool) -> Placement:
     """`lockstep run`: trainer rank r on GPU r, every engine on the default GPU 0 (beside rank 0)."""
     trainer = cfg.train.device == "cuda" or (cfg.train.device == "auto" and gpu_visible)
     engine_device = getattr(cfg.engine, "device", "cuda")  # SGLang runs on GPUs only
-    engine = engine_device == "cuda" or (engine_device == "auto" and gpu_visible)
+    engine = not cfg.sft and (engine_device == "cuda" or (engine_device == "auto" and gpu_visible))  # SFT: none
     per_gpu = cfg.engine.num_engines
     return Placement(trainer, engine, trainer and engine, per_gpu)
 

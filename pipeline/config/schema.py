@@ -10,6 +10,7 @@ validate.py. Every error names the fix.
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,13 +27,16 @@ def _positive(section: str, **values) -> None:
 class ModelConfig:
     path: str | None = None
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) of a Qwen2 / Qwen2.5,
-    Qwen3, Qwen3-MoE or Llama 3.x model. Null: create a randomly initialised model from `init` inside the
-    run directory."""
-    init: Literal["tiny-dense", "tiny-moe", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b", "qwen3-moe-small"] = "tiny-dense"
-    """Architecture preset used when `path` is null: tiny-dense / tiny-moe (about 0.1M parameters, for
-    CPUs), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row vocabulary, for GPU
-    benchmarks), qwen3-moe-small (Qwen3-30B-A3B's layers, 128 experts top-8, 9 of its 48 layers: 6.2B
-    parameters, sized for one H200 with engine.colocated and train.recompute_activations)."""
+    Qwen3, Qwen3-MoE, Llama 3.x or DeepSeek-V3 model. Null: create a randomly initialised model from `init`
+    inside the run directory."""
+    init: Literal["tiny-dense", "tiny-moe", "deepseek-v3-tiny", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b",
+                  "qwen3-moe-small", "deepseek-v3-small"] = "tiny-dense"
+    """Architecture preset used when `path` is null: tiny-dense / tiny-moe / deepseek-v3-tiny (about 0.1M
+    parameters, for CPUs), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row
+    vocabulary, for GPU benchmarks), qwen3-moe-small (Qwen3-30B-A3B's layers, 128 experts top-8, 9 of its
+    48 layers: 6.2B parameters, sized for one H200 with engine.colocated and train.recompute_activations),
+    deepseek-v3-small (DeepSeek-V3's layers at real widths: MLA, 256 experts top-8 in 8 groups, one dense
+    layer and MoE layers, sized the same way; see pipeline/models/config.py)."""
     init_seed: int = 0
     """Seed of the random initialisation when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -69,6 +73,10 @@ class DataConfig:
     """Prompts longer than this many tokens are handled per `on_bad_row`."""
     on_bad_row: Literal["skip", "error"] = "skip"
     """A dataset row with a missing/ill-typed field or an oversize prompt: skip it (and count it) or stop."""
+    response_key: str = "response"
+    """algo.loss_type=sft_loss: field holding the target response text, trained on after the prompt (the
+    tokenizer's end-of-text appended). A row without it needs chat messages under input_key whose
+    assistant turns are the targets. E.g. `label` trains on the label itself."""
 
     def __post_init__(self):
         _positive("data", max_prompt_len=self.max_prompt_len)
@@ -236,6 +244,15 @@ class SglangEngineConfig(EngineCommon):
     """SGLang --kv-cache-dtype (e.g. fp8_e4m3); null: auto."""
     chunked_prefill_size: int | None = None
     """SGLang --chunked-prefill-size; null: SGLang's default."""
+    ep_size: int = 1
+    """SGLang --ep-size: expert parallelism of MoE layers across an engine's tp_size GPUs (DeepSeek-V3,
+    Qwen3-MoE); must divide tp_size."""
+    attn_dp_size: int = 1
+    """SGLang --attn-dp-size: data-parallel attention groups inside the TP group, the FFN / experts stay
+    tensor or expert parallel (DP attention: MLA's one latent KV head is not split by TP, so DeepSeek-V3
+    engines hold its KV cache once per group, not once per GPU); must divide tp_size."""
+    moe_a2a_backend: str | None = None
+    """SGLang --moe-a2a-backend (e.g. deepep) for expert-parallel token dispatch; null: SGLang's default."""
     python: str = "python3"
     """Interpreter of the environment that has SGLang (its container's python on clusters)."""
     extra_args: list[str] = field(default_factory=list)
@@ -247,8 +264,12 @@ class SglangEngineConfig(EngineCommon):
 
     def __post_init__(self):
         super().__post_init__()
-        _positive("engine", tp_size=self.tp_size,
+        _positive("engine", tp_size=self.tp_size, ep_size=self.ep_size, attn_dp_size=self.attn_dp_size,
                   health_interval_s=self.health_interval_s, health_failures=self.health_failures)
+        for name in ("ep_size", "attn_dp_size"):
+            if self.tp_size % getattr(self, name):
+                raise ConfigError(f"engine.{name} ({getattr(self, name)}) must divide engine.tp_size ({self.tp_size}):"
+                                  f" SGLang splits an engine's tp_size GPUs into them")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"engine.mem_fraction_static must be in (0, 1) (got {self.mem_fraction_static})")
 
@@ -396,7 +417,7 @@ class AlgoConfig:
     grpo_std_normalization: bool = True
     """Divide group-centred rewards by the group std (dr_grpo turns it off)."""
     gamma: float = 1.0
-    """Discount of per-token returns (reinforce_plus_plus*, ppo) (Miles: --gamma)."""
+    """Discount of per-token returns (reinforce_plus_plus, ppo; reinforce_plus_plus_baseline is undiscounted) (Miles: --gamma)."""
     lambd: float = 1.0
     """GAE lambda (ppo) (Miles: --lambd)."""
     use_rollout_logprobs: bool = False
@@ -419,6 +440,11 @@ class AlgoConfig:
     """Value-loss clip range (ppo) (Miles: --value-clip)."""
     value_loss_coef: float = 0.5
     """Weight of the value loss (ppo)."""
+    loss_type: Literal["policy_loss", "sft_loss"] = "policy_loss"
+    """policy_loss: RL on rollouts (engines, rewards, the estimator above). sft_loss: supervised
+    fine-tuning on data.prompt_data's prompt/response pairs or chat messages (Miles: --loss-type
+    sft_loss): mean negative log-likelihood of the response tokens (prompt tokens get no gradient);
+    no engines, rollouts or rewards; each step trains rollout_batch_size rows of the shuffled file."""
 
     def __post_init__(self):
         _positive("algo", eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, tis_clip=self.tis_clip,
@@ -429,6 +455,10 @@ class AlgoConfig:
             raise ConfigError(f"algo.eps_clip_c must be > 1 (got {self.eps_clip_c}): it caps -A * ratio at -A * eps_clip_c")
         if not 0 < self.gamma <= 1 or not 0 <= self.lambd <= 1:
             raise ConfigError("algo.gamma must be in (0, 1] and algo.lambd in [0, 1]")
+        if self.advantage_estimator == "reinforce_plus_plus_baseline" and self.gamma != 1:
+            raise ConfigError("algo.advantage_estimator=reinforce_plus_plus_baseline broadcasts (reward - group mean)"
+                              " to every token undiscounted (Miles' definition): algo.gamma must be 1 (for"
+                              " discounted returns use reinforce_plus_plus)")
         if not 0 < self.icepop_low < 1 < self.icepop_high:
             raise ConfigError("algo.icepop_low must be in (0, 1) and algo.icepop_high > 1")
 
@@ -462,9 +492,98 @@ class WeightsConfig:
     weights while training stays in model.dtype: use TIS (algo.off_policy_correction=tis) and watch
     train/rollout_logprob_abs_diff."""
 
+    tensor_format: Literal["flattened", "per_tensor"] = "flattened"
+    """type=tensor: how a bucket's tensors are shared with the engines. flattened: one handle per bucket
+    (SGLang's load_format "flattened_bucket": one flat uint8 tensor plus each tensor's name, dtype, shape
+    and byte range); per_tensor: one handle per tensor (torch's CUDA IPC makes a handle, an event and a
+    ref-counter entry for each: ~3,500 per version of a 128-expert MoE). SGLang engines get flattened
+    only when the trainer can import SGLang (the payload names SGLang's metadata class), else
+    per_tensor, said once in the log."""
+
     def __post_init__(self):
         _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
 
+
+
+EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class EvalDatasetConfig:
+    path: str = ""
+    """JSONL file of held-out prompts, rows as in data.prompt_data (data.input_key, data.label_key,
+    data.metadata_key)."""
+    rm_type: str | None = None
+    """Reward function of this set (as rollout.rm_type); null: rollout.rm_type."""
+
+    def __post_init__(self):
+        if not str(self.path).strip():
+            raise ConfigError("path is required (name: path/to/test.jsonl, or name: {path: ..., rm_type: ...})")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0
+    """Evaluate every this many steps on the engines' current weights, and also before the first step
+    and after the last (Miles: --eval-interval); 0: no evaluation during the run (`lockstep eval` still
+    evaluates eval.datasets on the result). Metrics go into the record of the step evaluated (the last
+    step's record carries the final weights' evaluation)."""
+    datasets: dict[str, str | EvalDatasetConfig] = field(default_factory=dict)
+    """name -> JSONL path (or {path, rm_type}) of held-out prompts (Miles: --eval-prompt-data NAME PATH
+    ...). Metrics are eval/<name>/*, per-sample results run_dir/eval/step_K/<name>.jsonl."""
+    n_samples_per_prompt: int = 1
+    """Responses per eval prompt; pass@k is reported for k = 1, 2, 4, ... up to it (Miles:
+    --n-samples-per-eval-prompt)."""
+    temperature: float | None = None
+    """Sampling temperature of eval responses; 0 is greedy (Miles: --eval-temperature). null:
+    rollout.rollout_temperature."""
+    top_p: float | None = None
+    """Nucleus sampling threshold of eval responses (Miles: --eval-top-p); null: rollout.rollout_top_p."""
+    max_response_len: int | None = None
+    """Most new tokens per eval response (Miles: --eval-max-response-len); null:
+    rollout.rollout_max_response_len, which it may not exceed (the engines' context is sized by it)."""
+    max_prompts: int | None = None
+    """Evaluate only the first this many prompts of each set (file order); null: all of them."""
+
+    def __post_init__(self):
+        if self.interval < 0:
+            raise ConfigError(f"eval.interval must be >= 0 (got {self.interval}; 0 turns evaluation off)")
+        _positive("eval", n_samples_per_prompt=self.n_samples_per_prompt, max_response_len=self.max_response_len,
+                  max_prompts=self.max_prompts)
+        if self.temperature is not None and self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0 (got {self.temperature}; 0 is greedy)")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"eval.top_p must be in (0, 1] (got {self.top_p})")
+        for name, ds in list(self.datasets.items()):
+            if not EVAL_NAME.match(name):
+                raise ConfigError(f"eval.datasets: name {name!r} must be letters, digits, '_', '.' or '-' (it names"
+                                  " metrics eval/<name>/* and the file eval/step_K/<name>.jsonl)")
+            if name == "summary":
+                raise ConfigError("eval.datasets: 'summary' is reserved (eval/step_K/summary.json): rename the set")
+            self.datasets[name] = ds if isinstance(ds, EvalDatasetConfig) else EvalDatasetConfig(path=ds)
+        if self.interval and not self.datasets:
+            raise ConfigError(f"eval.interval={self.interval} but eval.datasets is empty: add one"
+                              " (eval.datasets.test=path/to/test.jsonl) or set eval.interval=0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0 and bool(self.datasets)
+
+    def due(self, version: int, num_rollout: int) -> bool:
+        """Whether the weights of `version` (after that many steps) are evaluated: every `interval` from
+        version 0 (before any training) and the final one, num_rollout. Version num_rollout - 1 is left
+        out: the final evaluation, a step later, takes its place in the last step's record."""
+        if not self.enabled or not 0 <= version <= num_rollout:
+            return False
+        return version == num_rollout or (version % self.interval == 0 and version != num_rollout - 1)
+
+    def version_in_record(self, step: int, num_rollout: int) -> int | None:
+        """The weights version whose evaluation metrics.jsonl's record of `step` carries: `step` (the
+        weights its rollouts came from in sync mode), the final version in the last record, or None.
+        One record per step, so every consumer that counts steps stays right."""
+        if step == num_rollout - 1 and self.due(num_rollout, num_rollout):
+            return num_rollout
+        return step if self.due(step, num_rollout) else None
 
 
 @dataclass
@@ -513,6 +632,10 @@ class CheckpointConfig:
     save_final: bool = True
     """Save a checkpoint when the run ends (false: only every save_interval steps, and on pre-emption;
     for short benchmark runs, whose final write of weights and optimizer states would dominate)."""
+    export_quantization: Literal["none", "fp8"] = "none"
+    """The run_dir/hf export's linear weights: none (model.dtype), or fp8: blockwise e4m3 with one fp32
+    `weight_scale_inv` per 128 x 128 block and quantization_config quant_method fp8 (DeepSeek-V3's
+    published layout, which model.path reads back and SGLang serves)."""
 
     def __post_init__(self):
         if self.save_interval < 0:
@@ -677,6 +800,8 @@ class RunConfig:
     """Checkpoints and export."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Terminal output and plots."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on held-out prompts between steps (and `lockstep eval`)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Submission to Slurm (`lockstep submit`); ignored by `lockstep run`."""
     faults: FaultsConfig = field(default_factory=FaultsConfig)
@@ -685,13 +810,15 @@ class RunConfig:
     def __post_init__(self):
         _positive("", num_rollout=self.num_rollout)
         r, t = self.rollout, self.train
-        samples = r.rollout_batch_size * r.n_samples_per_prompt
+        samples = self.samples_per_step
         if samples % t.global_batch_size:
-            raise ConfigError(
-                f"rollout_batch_size x n_samples_per_prompt ({r.rollout_batch_size} x {r.n_samples_per_prompt}"
-                f" = {samples}) must be divisible by global_batch_size ({t.global_batch_size}):"
-                f" set train.global_batch_size to a divisor of {samples}"
-            )
+            what = (f"rollout_batch_size ({samples}) rows per SFT step" if self.sft else
+                    f"rollout_batch_size x n_samples_per_prompt ({r.rollout_batch_size} x {r.n_samples_per_prompt}"
+                    f" = {samples})")
+            raise ConfigError(f"{what} must be divisible by global_batch_size ({t.global_batch_size}):"
+                              f" set train.global_batch_size to a divisor of {samples}")
+        if self.sft:
+            self.check_sft()
         if t.global_batch_size % t.num_gpus:
             raise ConfigError(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by train.num_gpus ({t.num_gpus})"
@@ -709,6 +836,9 @@ class RunConfig:
             if self.engine.type == "sglang" and self.engine.quantization != "fp8":
                 raise ConfigError("weights.quantization=fp8 sends FP8 weights: start the SGLang engines as FP8"
                                   " engines too (engine.quantization=fp8)")
+        if self.checkpoint.export_quantization == "fp8" and t.int4_qat:
+            raise ConfigError("checkpoint.export_quantization=fp8 and train.int4_qat exclude each other: the INT4 QAT"
+                              " export is packed W4A16; set checkpoint.export_quantization=none")
         if t.compile and self.determinism.true_on_policy:
             raise ConfigError("train.compile and determinism.true_on_policy exclude each other: compiled (fused)"
                               " kernels round differently from the engine's batch-invariant ones")
@@ -730,14 +860,38 @@ class RunConfig:
         if self.engine.speculative_algorithm and not self.model.mtp_num_layers:
             raise ConfigError(f"engine.speculative_algorithm={self.engine.speculative_algorithm} drafts with an"
                               " MTP head: set model.mtp_num_layers=1")
-        if r.n_samples_per_prompt < 2 and self.algo.advantage_estimator in GROUP_ESTIMATORS:
+        if r.n_samples_per_prompt < 2 and self.algo.advantage_estimator in GROUP_ESTIMATORS and not self.sft:
             raise ConfigError(
                 f"algo.advantage_estimator={self.algo.advantage_estimator} compares each response with the others"
                 f" of its prompt, and rollout.n_samples_per_prompt=1 leaves none (every advantage 0): sample"
                 " several responses per prompt (e.g. 8), or use ppo / reinforce_plus_plus")
+        e = self.eval
+        if e.max_response_len is not None and e.max_response_len > r.rollout_max_response_len:
+            raise ConfigError(f"eval.max_response_len ({e.max_response_len}) > rollout.rollout_max_response_len"
+                              f" ({r.rollout_max_response_len}): the engines' context is sized by the latter; raise it"
+                              " or shorten eval responses")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")
+
+    def check_sft(self) -> None:
+        """algo.loss_type=sft_loss: settings that would make the supervised loss something else."""
+        if self.rollout.rollout_temperature != 1.0:
+            raise ConfigError(f"algo.loss_type=sft_loss trains the model's own distribution, but the trainer scores"
+                              f" at rollout.rollout_temperature ({self.rollout.rollout_temperature}): set it to 1.0")
+        if self.algo.kl_loss_coef or self.algo.entropy_coef or self.model.mtp_num_layers or self.algo.advantage_estimator == "ppo":
+            raise ConfigError("algo.loss_type=sft_loss has no KL, entropy, MTP or critic terms: set algo.kl_loss_coef=0,"
+                              " algo.entropy_coef=0, model.mtp_num_layers=0 and an advantage_estimator other than ppo")
+        if self.determinism.routing_replay:
+            raise ConfigError("algo.loss_type=sft_loss has no engine routing to replay: set determinism.routing_replay=false")
+        if self.eval.interval:
+            raise ConfigError("algo.loss_type=sft_loss runs no engines to evaluate on: set eval.interval=0 and evaluate"
+                              " the result with `lockstep eval RUN_DIR --dataset NAME=PATH`")
+
+    @property
+    def sft(self) -> bool:
+        """Supervised fine-tuning (algo.loss_type=sft_loss): trainers only, data straight from the file."""
+        return self.algo.loss_type == "sft_loss"
 
     @property
     def off_policy_correction(self) -> str:
@@ -752,6 +906,9 @@ class RunConfig:
 
     @property
     def samples_per_step(self) -> int:
+        """Samples one step trains on: a group per prompt (RL), one row each (SFT)."""
+        if self.sft:
+            return self.rollout.rollout_batch_size
         return self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
 
     @property

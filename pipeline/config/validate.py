@@ -53,10 +53,20 @@ def _megatron(cfg: RunConfig, args: ModelArgs) -> None:
                           " set train.sequence_parallel=true (or use train.expert_model_parallel_size)")
 
 
+DEEPSEEK_REFUSAL = (
+    "train.backend=megatron does not run deepseek_v3 models yet: Lockstep's conversion layer maps no MLA or"
+    " DeepSeek-MoE weights (megatron-core 0.16.1 has MLASelfAttention and sigmoid group-limited routing with"
+    " an expert bias, but scores a group by its top num_experts_per_tok / topk_group experts where DeepSeek"
+    " takes the top 2, and always renormalises sigmoid weights): use train.backend=fsdp")
+
+
 def check_megatron_model(args: ModelArgs) -> None:
     """Refuse what megatron's layers cannot express: a bias on o_proj or the MLP (megatron's
     add_bias_linear puts one on every linear layer at once) and a YaRN attention_factor given
-    explicitly (megatron derives the factor from factor / mscale / mscale_all_dim)."""
+    explicitly (megatron derives the factor from factor / mscale / mscale_all_dim); DeepSeek-V3 is not
+    converted yet."""
+    if args.is_mla:
+        raise ConfigError(DEEPSEEK_REFUSAL)
     rs = args.rope_scaling
     refuse = {
         f"attention_bias=true on model_type {args.model_type!r} (o_proj bias)": args.o_proj_bias,

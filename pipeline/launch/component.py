@@ -2,7 +2,8 @@
 
   python -m pipeline.launch.component engine  --run-dir D --index I   (built-in engine, or SGLang's supervised)
   python -m pipeline.launch.component rollout --run-dir D [--rank R --num-producers P]
-  python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...)
+  python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...;
+                                                                algo.loss_type=sft_loss: the SFT trainer)
 Each reads the resolved config the launcher wrote into D, and finds the others (and the run's token)
 through D (pipeline.run.RunDir).
 """
@@ -112,9 +113,12 @@ def main(argv=None) -> None:
     else:
         if cfg.train.expandable_segments:  # read by torch's allocator at its first use
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        from pipeline.trainer import loop
+        if cfg.sft:
+            from pipeline.trainer.sft import main as trainer_main
+        else:
+            from pipeline.trainer.loop import main as trainer_main
 
-        loop.main(args.run_dir)
+        trainer_main(args.run_dir)
     heartbeat.end()  # done (an error never gets here: the process exits with it, its heartbeat goes stale)
 
 

@@ -138,11 +138,10 @@ def run_local(cfg: RunConfig, rundir: RunDir, progress: bool = True) -> None:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # scancel / kill: stop children, then exit
     try:
         # Everything starts at once: engines load and capture graphs while the trainer loads and shards;
-        # the rollout manager and the trainer wait for the engines' addresses themselves.
-        for i in range(cfg.engine.num_engines):
-            sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", rundir.root, "--index", str(i)),
-                              restarts=cfg.engine.max_restarts if cfg.engine.type == "local" else 0)
-        sup.start("rollout", ["rollout", "--run-dir", rundir.root])
+        # the rollout manager and the trainer wait for the engines' addresses themselves. SFT
+        # (algo.loss_type=sft_loss) trains on the data file: trainers only.
+        if not cfg.sft:
+            start_rollout_side(sup, cfg, rundir)
         port = free_port()
         rundir.publish_trainer({"master_addr": "127.0.0.1", "master_port": port})
         world = cfg.train.num_gpus
@@ -161,6 +160,14 @@ def run_local(cfg: RunConfig, rundir: RunDir, progress: bool = True) -> None:
         signal.signal(signal.SIGTERM, previous)
         bar.close()
         sup.stop_all()
+
+
+def start_rollout_side(sup: Supervisor, cfg: RunConfig, rundir: RunDir) -> None:
+    """The engines and the rollout manager."""
+    for i in range(cfg.engine.num_engines):
+        sup.start_command(f"engine_{i}", component_cmd("engine", "--run-dir", rundir.root, "--index", str(i)),
+                          restarts=cfg.engine.max_restarts if cfg.engine.type == "local" else 0)
+    sup.start("rollout", ["rollout", "--run-dir", rundir.root])
 
 
 def _raise_interrupt(signum, frame):

@@ -29,7 +29,10 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
     if model.path:
         model = dataclasses.replace(model, path=os.path.abspath(os.path.expanduser(model.path)))
     data = dataclasses.replace(cfg.data, prompt_data=os.path.abspath(os.path.expanduser(cfg.data.prompt_data)))
-    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data)
+    datasets = {name: dataclasses.replace(ds, path=os.path.abspath(os.path.expanduser(ds.path)))
+                for name, ds in cfg.eval.datasets.items()}
+    return dataclasses.replace(cfg, run_dir=os.path.abspath(os.path.expanduser(cfg.run_dir)), model=model, data=data,
+                               eval=dataclasses.replace(cfg.eval, datasets=datasets))
 
 
 def check_inputs(cfg: RunConfig) -> None:
@@ -37,6 +40,9 @@ def check_inputs(cfg: RunConfig) -> None:
     against the model, and every row of the prompt data (one line per problem)."""
     if not os.path.exists(cfg.data.prompt_data):
         raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
+    for name, ds in cfg.eval.datasets.items():
+        if not os.path.isfile(ds.path):
+            raise UserError(f"eval.datasets.{name} {ds.path!r} not found: point it at a JSONL file of held-out prompts")
     from pipeline.config.memory import model_args
     from pipeline.config.validate import validate
 
@@ -44,7 +50,7 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.model.path:
         if not os.path.isdir(cfg.model.path):
             raise UserError(f"model.path {cfg.model.path!r} is not a directory: point it at a Hugging Face checkpoint")
-        from pipeline.models.hf_io import read_model_args
+        from pipeline.models.hf_config import read_model_args
 
         args = read_model_args(cfg.model.path)
         validate(cfg, args)
@@ -68,8 +74,9 @@ def check_weights_present(model_dir: str) -> None:
 
 
 def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
-    """Parse and tokenize every prompt row as the rollout manager will: data.on_bad_row=error stops here
-    in one line; skipped rows are reported once (count per reason, first lines)."""
+    """Parse and tokenize every row as the rollout manager (or, for SFT, the trainer) will:
+    data.on_bad_row=error stops here in one line; skipped rows are reported once (count per reason,
+    first lines)."""
     import tempfile
 
     from pipeline.models.tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -83,11 +90,25 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
     if model_vocab is not None and tok.vocab_size > model_vocab:
         raise UserError(f"model.path {cfg.model.path!r}: the tokenizer has {tok.vocab_size} tokens but the model's"
                         f" embedding only {model_vocab} rows: they do not belong together")
-    stats = PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats
-    if stats.skipped:
-        print(f"lockstep: {stats.report()}", file=sys.stderr)
+    if cfg.sft:
+        from pipeline.rollout.sft_data import SftDataset
+
+        stats = [SftDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed,
+                            max_len=cfg.data.max_prompt_len + cfg.rollout.rollout_max_response_len).stats]
+        if cfg.rollout.n_samples_per_prompt != 1:
+            log.warning("lockstep: algo.loss_type=sft_loss trains each row once per step: rollout.n_samples_per_prompt"
+                        " (%d) is ignored", cfg.rollout.n_samples_per_prompt)
     else:
-        log.info("lockstep: %s", stats.report())
+        stats = [PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats]
+    if cfg.eval.datasets:  # the eval sets as the rollout manager will read them, reward functions included
+        from pipeline.rollout.eval_data import load_eval_sets
+
+        stats += [s.stats for s in load_eval_sets(cfg, tok)]
+    for st in stats:
+        if st.skipped:
+            print(f"lockstep: {st.report()}", file=sys.stderr)
+        else:
+            log.info("lockstep: %s", st.report())
 
 
 def check_memory(cfg: RunConfig, profile=None) -> None:
@@ -117,12 +138,20 @@ def check_memory(cfg: RunConfig, profile=None) -> None:
 
 
 def _gpu_visible(cfg: RunConfig) -> bool:
-    """Whether `auto` devices would pick a GPU here (torch is imported only when a device is `auto`)."""
+    """Whether `auto` devices would pick a GPU here, without importing torch (seconds of every start-up):
+    a GPU that nvidia-smi lists (and CUDA_VISIBLE_DEVICES does not hide), or a ROCm device node."""
     if "auto" not in (cfg.train.device, getattr(cfg.engine, "device", "cuda")):
         return False  # only explicit devices: local_placement does not ask
-    import torch
-
-    return torch.cuda.is_available()
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return out.returncode == 0 and any(line.startswith("GPU ") for line in out.stdout.splitlines())
+    return os.path.exists("/dev/kfd")  # ROCm
 
 
 def _detected_gpu_gib() -> float | None:

@@ -22,6 +22,10 @@ class AttentionContext(Protocol):
         """Return the attention output [N, H, D] for the N tokens of the stream."""
         ...
 
+    def attend_latent(self, layer_idx: int, q_NHD: torch.Tensor, latent_NL: torch.Tensor, mla) -> torch.Tensor:
+        """MLA: the attention output [N, H, V] over the stream's latent rows (and those cached before)."""
+        ...
+
 
 def attend_padded(q_BHQD, k_BKTD, v_BKTD, qpos_BQ) -> torch.Tensor:
     """Query (b, i) attends to keys 0..qpos_BQ[b, i] of sequence b (padding queries carry qpos 0)."""
@@ -70,8 +74,9 @@ class PackedCausal:
         return grid
 
     @torch.compiler.disable  # a compiled decoder layer (train.compile) calls attention as it is
-    def attend(self, layer_idx, q_NHD, k_NKD, v_NKD):
-        if q_NHD.is_cuda and self.varlen:
+    def attend(self, layer_idx, q_NHD, k_NKD, v_NKD, scale: float | None = None):
+        """scale: the softmax scale (None: 1/sqrt(D)); v may have its own head dim (MLA)."""
+        if q_NHD.is_cuda and self.varlen and scale is None and v_NKD.shape[-1] == q_NHD.shape[-1]:
             if self.cu_seqlens_i32 is None:
                 self.cu_seqlens_i32 = self.cu_seqlens.to(torch.int32)
             o_NHD = kernels.packed_causal_attention(q_NHD, k_NKD, v_NKD, self.cu_seqlens_i32, self.max_len)
@@ -80,5 +85,10 @@ class PackedCausal:
         q = self.to_grid(q_NHD).transpose(1, 2)
         k = self.to_grid(k_NKD).transpose(1, 2)
         v = self.to_grid(v_NKD).transpose(1, 2)
-        o_BHTD = attend_padded(q, k, v, self.qpos_BT)
+        o_BHTD = kernels.attention(q, k, v, self.qpos_BT, scale)
         return o_BHTD.transpose(1, 2)[self.grid_index]
+
+    def attend_latent(self, layer_idx, q_NHD, latent_NL, mla):
+        """Every token's latent row expanded to keys and values once, then causal attention (training)."""
+        k_NHD, v_NHV = mla.expand(latent_NL)
+        return self.attend(layer_idx, q_NHD, k_NHD, v_NHV, mla.scale)

@@ -1,11 +1,15 @@
 """Model architecture settings, read from and written to a Hugging Face `config.json`.
 
 `ModelArgs` covers the families Lockstep runs with one decoder (pipeline/models/qwen3.py): Qwen3 and
-Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x. They differ in a few switches read from the config
+Qwen3-MoE, Qwen2 / Qwen2.5, Llama 3.x and DeepSeek-V3. They differ in a few switches read from the config
 (`family`, `attention_bias`, `mlp_bias`; q/k norm and q/k/v bias follow from the family) and in RoPE
-(`rope_theta`, `rope_scaling`). `from_hf` is a strict reader (pipeline/models/hf_config.py): a field
-that would change the computation and that Lockstep does not implement is refused by name; `to_hf`
-writes the family's layout back, RoPE scaling in the form it was read in, so
+(`rope_theta`, `rope_scaling`). The DeepSeek-V3 family (`deepseek_v3`) swaps in Multi-head Latent
+Attention (pipeline/models/mla.py: the `*_lora_rank` / `*_head_dim` fields) and the DeepSeek MoE block
+(pipeline/models/deepseek.py: shared experts, sigmoid router with a selection-only correction bias,
+group-limited top-k, routed scaling, the first `first_k_dense_replace` layers dense).
+pipeline/models/hf_config.py reads config.json into ModelArgs strictly (`read_hf_config`: a field that
+would change the computation and that Lockstep does not implement is refused by name) and writes the
+family's layout back (`write_hf_config`), RoPE scaling in the form it was read in, so
 `transformers.AutoModelForCausalLM.from_pretrained` loads our directories.
 """
 
@@ -17,7 +21,7 @@ from typing import Any
 
 from pipeline.errors import UserError
 
-FAMILIES = ("qwen3", "qwen2", "llama")  # qwen3 with experts is Qwen3-MoE
+FAMILIES = ("qwen3", "qwen2", "llama", "deepseek_v3")  # qwen3 with experts is Qwen3-MoE
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,24 @@ class ModelArgs:
     mlp_only_layers: tuple[int, ...] = ()
     # Multi-token prediction draft layers (Qwen3-Next's mtp_num_hidden_layers); 0 or 1.
     mtp_num_hidden_layers: int = 0
+    # DeepSeek-V3 (family "deepseek_v3"; inert elsewhere). Multi-head Latent Attention: q through a
+    # rank-q_lora_rank bottleneck (None: one q_proj), k/v from a kv_lora_rank latent (the engine's KV
+    # cache) plus one shared qk_rope_head_dim RoPE key; head_dim is qk_nope_head_dim + qk_rope_head_dim.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # RoPE on interleaved pairs (x0, x1), (x2, x3), ... (transformers' rope_interleave; DeepSeek's layout).
+    rope_interleave: bool = False
+    # DeepSeek MoE: num_experts routed experts (n_routed_experts) plus n_shared_experts always-on ones
+    # (one MLP of n_shared_experts x moe_intermediate_size), sigmoid scores, top-k among the topk_group
+    # best of n_group expert groups, weights x routed_scaling_factor; layers < first_k_dense_replace dense.
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None  # a tuple when config.json lists several
     pad_token_id: int | None = None
@@ -89,18 +111,60 @@ class ModelArgs:
             )
         if self.mtp_num_hidden_layers not in (0, 1):
             raise UserError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers}: Lockstep builds at most one MTP layer")
-        if self.is_moe and self.family != "qwen3":
-            raise UserError(f"num_experts={self.num_experts}: Lockstep runs mixture-of-experts models of the Qwen3-MoE family only")
+        if self.is_moe and self.family not in ("qwen3", "deepseek_v3"):
+            raise UserError(f"num_experts={self.num_experts}: Lockstep runs mixture-of-experts models of the Qwen3-MoE"
+                            " and DeepSeek-V3 families only")
         if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise UserError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
             )
+        if self.is_mla:
+            self._check_deepseek()
+
+    def _check_deepseek(self) -> None:
+        if min(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) <= 0:
+            raise UserError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim > 0")
+        if self.qk_rope_head_dim % 2:
+            raise UserError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even (RoPE rotates pairs)")
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise UserError(f"head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim"
+                            f" ({self.qk_nope_head_dim} + {self.qk_rope_head_dim})")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise UserError(f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads"
+                            f" ({self.num_attention_heads}): Multi-head Latent Attention expands one key and value"
+                            " per query head from the latent")
+        if not self.is_moe:
+            return
+        e, g = self.num_experts, self.n_group
+        if g < 1 or e % g or e // g < 2:
+            raise UserError(f"n_group ({g}) must divide n_routed_experts ({e}) into groups of at least 2 experts"
+                            " (a group's score is the sum of its two best)")
+        if not 1 <= self.topk_group <= g:
+            raise UserError(f"topk_group ({self.topk_group}) must be in 1..n_group ({g})")
+        if self.num_experts_per_tok > self.topk_group * (e // g):
+            raise UserError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group"
+                            f" ({self.topk_group}) groups of {e // g}")
 
     @property
     def is_moe(self) -> bool:
+        """The model has MoE layers (a DeepSeek-V3 whose first_k_dense_replace covers every layer has none)."""
+        if self.is_mla:
+            return self.num_experts > 0 and self.first_k_dense_replace < self.num_hidden_layers
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head Latent Attention (DeepSeek-V3) instead of GQA."""
+        return self.family == "deepseek_v3"
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates: every head dimension, or MLA's decoupled RoPE part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
     def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.is_mla:  # DeepSeek-V3: every layer from first_k_dense_replace on
+            return self.is_moe and layer_idx >= self.first_k_dense_replace
         return (
             self.is_moe
             and layer_idx not in self.mlp_only_layers
@@ -113,7 +177,9 @@ class ModelArgs:
 
     @property
     def model_type(self) -> str:
-        return "qwen3_moe" if self.is_moe else self.family
+        if self.family == "qwen3" and self.is_moe:
+            return "qwen3_moe"
+        return self.family
 
     @property
     def qk_norm(self) -> bool:
@@ -139,34 +205,38 @@ class ModelArgs:
                 f" sequence, which trainer and engines do not share; shorten sequences to"
                 f" {self.max_position_embeddings} tokens")
 
+    def attention_params(self) -> int:
+        """Parameters of one attention block (projections, q/k or MLA norms, biases)."""
+        h, kv, hd, H = self.hidden_size, self.num_key_value_heads, self.head_dim, self.num_attention_heads
+        if self.is_mla:
+            c, r, q = self.kv_lora_rank, self.qk_rope_head_dim, self.q_lora_rank
+            attn = (h * q + q + q * H * hd) if q else h * H * hd  # q_a_proj, q_a_layernorm, q_b_proj / q_proj
+            attn += h * (c + r) + c + c * H * (self.qk_nope_head_dim + self.v_head_dim)  # kv_a, its norm, kv_b
+            attn += H * self.v_head_dim * h  # o_proj
+            return attn + ((q or 0) + c + r + h if self.attention_bias else 0)  # q_a, kv_a, o_proj biases
+        attn = h * H * hd * 2 + h * kv * hd * 2
+        attn += 2 * hd if self.qk_norm else 0
+        attn += (H + 2 * kv) * hd if self.qkv_bias else 0
+        return attn + (h if self.o_proj_bias else 0)
+
+    def mlp_params(self, layer_idx: int) -> tuple[int, int]:
+        """(dense, routed-expert) parameters of layer `layer_idx`'s MLP: a dense MLP, or the router (and
+        DeepSeek's correction bias and shared experts) beside the routed experts."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer_idx):
+            return 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0), 0
+        dense = self.num_experts * h
+        if self.is_mla:
+            dense += self.num_experts + 3 * h * self.moe_intermediate_size * self.n_shared_experts
+        return dense, self.num_experts * 3 * h * self.moe_intermediate_size
+
     def num_params(self) -> int:
         """Parameter count (embedding and head counted once each unless tied)."""
-        h, kv, hd = self.hidden_size, self.num_key_value_heads, self.head_dim
-        attn = h * self.num_attention_heads * hd * 2 + h * kv * hd * 2
-        attn += 2 * hd if self.qk_norm else 0
-        attn += (self.num_attention_heads + 2 * kv) * hd if self.qkv_bias else 0
-        attn += h if self.o_proj_bias else 0
-        total = 0
-        for i in range(self.num_hidden_layers):
-            if self.is_moe_layer(i):
-                mlp = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
-            else:
-                mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-            total += attn + mlp + 2 * h
+        h = self.hidden_size
+        total = sum(self.attention_params() + sum(self.mlp_params(i)) + 2 * h for i in range(self.num_hidden_layers))
         emb = self.vocab_size * h
         return total + emb + h + (0 if self.tie_word_embeddings else emb)
 
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
-        """Read a config.json dict strictly (pipeline/models/hf_config.py says what is refused)."""
-        from pipeline.models.hf_config import read_hf_config
-
-        return read_hf_config(cfg)
-
-    def to_hf(self) -> dict[str, Any]:
-        from pipeline.models.hf_config import write_hf_config
-
-        return write_hf_config(self)
 
 
 # Sizes of real Qwen3-class models for `model.init` (randomly initialised; the vocabulary is padded to
@@ -191,7 +261,27 @@ REAL_SIZES = {
                             moe_intermediate_size=768, norm_topk_prob=True, tie_word_embeddings=False),
 }
 QWEN_VOCAB = 151936
-PRESETS = ("tiny-dense", "tiny-moe", *REAL_SIZES)
+DEEPSEEK_VOCAB = 129280
+# deepseek-v3-small: DeepSeek-V3's layers at their real widths (MLA: 128 heads, q_lora_rank 1536,
+# kv_lora_rank 512, qk dims 128 + 64, v 128, RoPE on interleaved pairs; the router: 256 routed experts in
+# 8 groups, top-8 within the best 4 groups, correction bias, routed scaling 2.5, one shared expert;
+# layer 0 dense with intermediate 18432; untied embeddings, vocabulary 129280) with three layers (0
+# dense, 1 and 2 MoE) and one change: the experts' intermediate size is 128, not 2048. At 2048 one MoE
+# layer alone holds 256 x 3 x 7168 x 2048 = 11.3B parameters, 180 GB of fp32 weights, gradients and
+# AdamW states: no layer count of DeepSeek-V3's own MoE layer trains on one 141 GB GPU.
+# pipeline/config/memory.py at configs/bench-0.5b.yaml's sizes with engine.colocated and
+# train.recompute_activations (4.2B parameters): ~123 GiB of ~139, 10% to spare; a fourth layer ~136;
+# two layers with the experts at 256: ~127. Colocated alone ~142, recompute alone ~139, neither ~158.
+DEEPSEEK_V3_LAYER = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=192,
+                         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128, rope_interleave=True, intermediate_size=18432, num_experts=256,
+                         num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1, n_group=8,
+                         topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                         tie_word_embeddings=False, family="deepseek_v3", vocab_size=DEEPSEEK_VOCAB,
+                         rope_theta=10_000.0, rms_norm_eps=1e-6)
+REAL_SIZES["deepseek-v3-small"] = dict(DEEPSEEK_V3_LAYER, num_hidden_layers=3, moe_intermediate_size=128)
+TINY_PRESETS = ("tiny-dense", "tiny-moe", "deepseek-v3-tiny")
+PRESETS = (*TINY_PRESETS, *REAL_SIZES)
 
 
 def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
@@ -201,9 +291,9 @@ def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, p
     tokenizer's, `mtp_layers` the MTP draft layers."""
     special = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, mtp_num_hidden_layers=mtp_layers)
     if name in REAL_SIZES:
-        shape = {"tie_word_embeddings": True, **REAL_SIZES[name]}
-        return ModelArgs(vocab_size=max(vocab_size, QWEN_VOCAB), max_position_embeddings=4096, rope_theta=1e6,
-                         **shape, **special)
+        shape = {"tie_word_embeddings": True, "vocab_size": QWEN_VOCAB, "rope_theta": 1e6, **REAL_SIZES[name]}
+        shape["vocab_size"] = max(vocab_size, shape["vocab_size"])
+        return ModelArgs(max_position_embeddings=4096, **shape, **special)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -220,4 +310,11 @@ def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, p
         return ModelArgs(**common)
     if name == "tiny-moe":
         return ModelArgs(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    if name == "deepseek-v3-tiny":  # DeepSeek-V3's structure at tiny-moe's scale: MLA with a q LoRA, a dense
+        # first layer, then 8 routed experts in 4 groups (top-2 within the best 2 groups) + 1 shared
+        mla = dict(num_key_value_heads=4, head_dim=16 + 8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, family="deepseek_v3", num_hidden_layers=3)
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=4,
+                   topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1)
+        return ModelArgs(**{**common, **mla}, **moe)
     raise UserError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, or set model.path")

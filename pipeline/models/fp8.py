@@ -1,11 +1,17 @@
 """FP8 linear layers for rollout (engine.quantization=fp8): which weights, and how they are held.
 
-The targets are the attention and MLP / expert projections (`is_fp8_target`; embeddings, norms, the
-MoE router and the LM head stay in the model dtype, as in DeepSeek-V3 / SGLang FP8 checkpoints). A
+The targets are the attention and MLP / expert projections (`is_fp8_target`: `*_proj` and MLA's
+`kv_a_proj_with_mqa`; embeddings, norms, the MoE router and the LM head stay in the model dtype, as in
+DeepSeek-V3 / SGLang FP8 checkpoints). A
 target Linear holds `weight` as float8_e4m3fn and `weight_scale_inv` (fp32, one per 128 x 128 block),
 the checkpoint's own names, and its forward is kernels.fp8.linear (W8A8 with per-token-group
 activation scales). The weight sync sends exactly these pairs (weights.quantization=fp8), which the
 engine stores without a round trip through bf16; a full-precision update is quantised on arrival.
+
+Checkpoints in that layout (DeepSeek-V3's published FP8 weights, quantization_config quant_method fp8):
+`checkpoint_pairs` finds their (weight, weight_scale_inv) pairs, `keep_pairs` puts them unchanged into an
+FP8 model (engine.quantization=fp8: the checkpoint's own bits, no round trip), and `block_fp8_state`
+writes a state dict in the same layout (checkpoint.export_quantization=fp8).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from lockstep_kernels import fp8
 from pipeline.models.flat import copy_tensors
 
 SCALE_SUFFIX = "_scale_inv"
-_LINEAR = re.compile(r"\.layers\.\d+\..*_proj\.weight$")  # attention and MLP/expert projections
+_LINEAR = re.compile(r"\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")  # attention and MLP/expert projections
 
 
 def is_fp8_target(name: str, t: torch.Tensor) -> bool:
@@ -28,7 +34,7 @@ def is_fp8_target(name: str, t: torch.Tensor) -> bool:
 @torch.no_grad()
 def to_fp8(model: torch.nn.Module) -> int:
     """Quantise every target Linear of `model` in place (blockwise FP8). Returns how many."""
-    from pipeline.models.qwen3 import Linear
+    from pipeline.models.layers import Linear
 
     n = 0
     for name, module in model.named_modules():
@@ -67,3 +73,32 @@ def load_into(params: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -
     if dst:
         copy_tensors(dst, src)
     return written
+
+
+def checkpoint_pairs(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{weight name: (e4m3 weight, its weight_scale_inv)} of a state dict read from a checkpoint."""
+    return {n: (t, state[n + SCALE_SUFFIX]) for n, t in state.items() if t.dtype == fp8.FP8 and n + SCALE_SUFFIX in state}
+
+
+@torch.no_grad()
+def keep_pairs(model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Copy checkpoint FP8 pairs into the FP8 layers (after to_fp8) of the same names. Returns how many."""
+    params = dict(model.named_parameters())
+    n = 0
+    for name, (q, s) in pairs.items():
+        if name in params and params[name].dtype == fp8.FP8:
+            params[name].copy_(q)
+            params[name + SCALE_SUFFIX].copy_(s)
+            n += 1
+    return n
+
+
+def block_fp8_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict in the blockwise FP8 checkpoint layout: every target weight as e4m3 + weight_scale_inv."""
+    out = {}
+    for name, t in state.items():
+        if is_fp8_target(name, t) and t.dtype != fp8.FP8:
+            out[name], out[name + SCALE_SUFFIX] = fp8.quantize(t)
+        else:
+            out[name] = t
+    return out

@@ -19,15 +19,17 @@ the export writes the form that was read.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs, RopeScaling
 
-FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+FAMILY = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen2": "qwen2", "llama": "llama", "deepseek_v3": "deepseek_v3"}
 ARCHITECTURE = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "llama": "LlamaForCausalLM"}
-SUPPORTED = "qwen2 (Qwen2 / Qwen2.5), qwen3, qwen3_moe, llama (Llama 3.x)"
+                "llama": "LlamaForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+SUPPORTED = "qwen2 (Qwen2 / Qwen2.5), qwen3, qwen3_moe, llama (Llama 3.x), deepseek_v3 (DeepSeek-V3 / R1)"
 
 # transformers' defaults (its config classes, version 5) for fields config.json may leave out. None for
 # num_key_value_heads / head_dim means "derived": num_attention_heads, hidden_size // num_attention_heads.
@@ -49,6 +51,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
                   attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2),
+    "deepseek_v3": dict(_COMMON, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+                        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+                        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+                        max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, pretraining_tp=1,
+                        rope_interleave=True, attention_bias=False),
 }
 
 # Fields read into ModelArgs (or into the RoPE settings), per model_type.
@@ -59,8 +68,15 @@ _READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "mtp_num_hidden_layers", "num_nextn_predict_layers", "hidden_act", "attention_dropout"}
 _MOE = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
         "decoder_sparse_step", "mlp_only_layers"}
+# DeepSeek-V3: MLA and its MoE. head_dim / qk_head_dim (transformers writes both, derived) and
+# num_key_value_heads (MLA expands one key and value per query head whatever it says; transformers' SDPA
+# path ignores it too) are checked, not read.
+_DEEPSEEK = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
+             "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "attention_bias"}
 READ = {"qwen2": _READ, "qwen3": _READ | {"attention_bias"}, "qwen3_moe": _READ | {"attention_bias"} | _MOE,
-        "llama": _READ | {"attention_bias", "mlp_bias"}}
+        "llama": _READ | {"attention_bias", "mlp_bias"},
+        "deepseek_v3": (_READ - {"head_dim", "num_key_value_heads", "mtp_num_hidden_layers"}) | _DEEPSEEK}
 
 # Fields of the family accepted only at harmless values (see _check), or at any value: the MoE aux-loss
 # settings (a training loss; Lockstep's loss is its own) and pretraining_tp (transformers 4 split the
@@ -69,7 +85,16 @@ _SLIDING = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_
 CHECKED = {"qwen2": _SLIDING | {"use_mrope"}, "qwen3": _SLIDING,
            # Qwen3-MoE checkpoints carry max_window_layers, which transformers' Qwen3-MoE ignores
            "qwen3_moe": _SLIDING | {"output_router_logits", "router_aux_loss_coef"},
-           "llama": {"pretraining_tp"}}
+           "llama": {"pretraining_tp"},
+           # DeepSeek's own config.json fields (its modeling_deepseek.py): the routing method and score
+           # function (checked: noaux_tc and sigmoid are what transformers computes), moe_layer_freq
+           # (1), and the aux-loss / parallelism settings of its pretraining (ep_size, aux_loss_alpha, seq_aux)
+           "deepseek_v3": {"head_dim", "qk_head_dim", "num_key_value_heads", "topk_method", "scoring_func",
+                           "moe_layer_freq", "ep_size", "aux_loss_alpha", "seq_aux", "output_router_logits",
+                           "pretraining_tp", "auto_map"}}
+# Read and checked, not written back: DeepSeek's auto_map names its own modelling code, which the export
+# does not ship (transformers runs its native DeepseekV3ForCausalLM, which Lockstep's model equals).
+NOT_WRITTEN = {"auto_map", "head_dim", "qk_head_dim", "num_key_value_heads"}
 
 # Fields of any model_type that never change the forward: describe the file, or are transformers'
 # generic PreTrainedConfig / generation settings (Lockstep samples by its own rollout settings).
@@ -154,6 +179,8 @@ def read_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         pad_token_id=get("pad_token_id"),
         mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0),
     )
+    if model_type == "deepseek_v3":
+        args.update(_deepseek_args(get, heads))
     if model_type == "qwen3_moe":
         args.update(
             num_experts=cfg.get("num_experts", cfg.get("num_local_experts", defaults["num_experts"])),
@@ -163,9 +190,47 @@ def read_hf_config(cfg: dict[str, Any]) -> ModelArgs:
             decoder_sparse_step=get("decoder_sparse_step"),
             mlp_only_layers=tuple(get("mlp_only_layers") or ()),
         )
-    kept = CHECKED[model_type] | HARMLESS | {"original_max_position_embeddings"}
+    kept = (CHECKED[model_type] | HARMLESS | {"original_max_position_embeddings"}) - NOT_WRITTEN
     args["extra"] = {k: v for k, v in cfg.items() if k in kept}
     return ModelArgs(**args)
+
+
+def _deepseek_args(get, heads: int) -> dict[str, Any]:
+    """ModelArgs fields of a deepseek_v3 config (after _check_deepseek)."""
+    nope, rope = get("qk_nope_head_dim"), get("qk_rope_head_dim")
+    return dict(
+        num_key_value_heads=heads, head_dim=nope + rope, q_lora_rank=get("q_lora_rank"),
+        kv_lora_rank=get("kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=get("v_head_dim"),
+        rope_interleave=bool(get("rope_interleave")), num_experts=get("n_routed_experts") or 0,
+        num_experts_per_tok=get("num_experts_per_tok") or 0, moe_intermediate_size=get("moe_intermediate_size"),
+        norm_topk_prob=bool(get("norm_topk_prob")), n_shared_experts=get("n_shared_experts") or 0,
+        routed_scaling_factor=float(get("routed_scaling_factor")), n_group=get("n_group"),
+        topk_group=get("topk_group"), first_k_dense_replace=get("first_k_dense_replace"),
+        mtp_num_hidden_layers=int(get("num_nextn_predict_layers") or 0))
+
+
+def _check_deepseek(cfg: dict[str, Any], get) -> None:
+    """deepseek_v3 fields accepted only at the values transformers' DeepseekV3ForCausalLM computes."""
+    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"), ("moe_layer_freq", 1)):
+        if key in cfg and cfg[key] != want:
+            raise _refuse(f"{key}={_show(cfg[key])} is not implemented (Lockstep's DeepSeek-V3 router is {key}"
+                          f"={want!r}, as transformers' DeepseekV3ForCausalLM)")
+    for key in ("n_group", "topk_group", "v_head_dim", "first_k_dense_replace", "qk_nope_head_dim",
+                "qk_rope_head_dim", "kv_lora_rank"):
+        if get(key) is None:
+            raise _refuse(f"{key}=None: DeepSeek-V3 needs a value")
+    rope = get("qk_rope_head_dim")
+    if "head_dim" in cfg and cfg["head_dim"] != rope:
+        raise _refuse(f"head_dim={_show(cfg['head_dim'])} differs from qk_rope_head_dim ({rope}), which"
+                      " transformers' DeepSeek-V3 sets it to")
+    qk = get("qk_nope_head_dim") + rope
+    if "qk_head_dim" in cfg and cfg["qk_head_dim"] != qk:
+        raise _refuse(f"qk_head_dim={_show(cfg['qk_head_dim'])} differs from qk_nope_head_dim + qk_rope_head_dim ({qk})")
+    auto = cfg.get("auto_map")
+    if auto is not None and not (isinstance(auto, dict) and all(
+            isinstance(v, str) and v.split(".")[0] in ("configuration_deepseek", "modeling_deepseek")
+            for v in auto.values())):
+        raise _refuse(f"auto_map={_show(auto)}: custom modelling code other than DeepSeek's own is not run")
 
 
 def _check(cfg: dict[str, Any], model_type: str, get) -> None:
@@ -182,11 +247,14 @@ def _check(cfg: dict[str, Any], model_type: str, get) -> None:
         raise _refuse(f"{key}=true: Lockstep runs decoder-only models")
     if cfg.get("pruned_heads"):
         raise _refuse(f"pruned_heads={_show(cfg['pruned_heads'])}: pruned attention heads are not implemented")
+    if model_type == "deepseek_v3":
+        _check_deepseek(cfg, get)
     quant = cfg.get("quantization_config")
-    if quant is not None and not _is_lockstep_w4a16(quant):
+    if quant is not None and not _is_lockstep_w4a16(quant) and not is_block_fp8(quant):
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise _refuse(f"quantization_config with quant_method={_show(method)}: quantized checkpoints are not loaded"
-                      " (only Lockstep's own W4A16 export); use the unquantized weights")
+                      " (only Lockstep's own W4A16 export and DeepSeek's blockwise FP8: quant_method fp8, e4m3,"
+                      " weight_block_size [128, 128], dynamic activations); use the unquantized weights")
     window = _sliding_layers(cfg, model_type, get)
     if window:
         layers = f"layers {window[0]}..{window[-1]}" if len(window) > 1 else f"layer {window[0]}"
@@ -207,6 +275,18 @@ def _sliding_layers(cfg: dict[str, Any], model_type: str, get) -> list[int]:
     if types is None:
         return [i for i in range(n) if i >= get("max_window_layers")]
     return [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+BLOCK_FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+"""DeepSeek-V3's published quantization_config: e4m3 weights with one fp32 `weight_scale_inv` per 128 x 128
+block (pipeline/models/fp8.py's layout); read_state_dict dequantises it, save_model(fp8=True) writes it."""
+
+
+def is_block_fp8(quant: Any) -> bool:
+    return (isinstance(quant, dict) and quant.get("quant_method") == "fp8"
+            and list(quant.get("weight_block_size") or []) == [128, 128]
+            and quant.get("fmt", "e4m3") == "e4m3" and quant.get("activation_scheme", "dynamic") == "dynamic"
+            and set(quant) <= {"activation_scheme", "fmt", "quant_method", "weight_block_size", "modules_to_not_convert"})
 
 
 def _is_lockstep_w4a16(quant: Any) -> bool:
@@ -272,7 +352,7 @@ def write_hf_config(args: ModelArgs) -> dict[str, Any]:
         "num_hidden_layers": args.num_hidden_layers,
         "num_attention_heads": args.num_attention_heads,
         "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
+        "head_dim": args.rope_dim if args.is_mla else args.head_dim,  # transformers' DeepSeek-V3: the RoPE part
         "hidden_act": "silu",
         "max_position_embeddings": args.max_position_embeddings,
         "rms_norm_eps": args.rms_norm_eps,
@@ -295,9 +375,11 @@ def write_hf_config(args: ModelArgs) -> dict[str, Any]:
         cfg["attention_bias"] = args.attention_bias
     if args.family == "llama":
         cfg["mlp_bias"] = args.mlp_bias
+    elif args.family == "deepseek_v3":
+        cfg.update(_deepseek_fields(args))
     else:
         cfg.update(use_sliding_window=False, sliding_window=None)
-    if args.is_moe:
+    if args.is_moe and args.family == "qwen3":
         cfg.update(
             num_experts=args.num_experts,
             num_experts_per_tok=args.num_experts_per_tok,
@@ -308,9 +390,31 @@ def write_hf_config(args: ModelArgs) -> dict[str, Any]:
             router_aux_loss_coef=0.0,
             output_router_logits=False,
         )
-    if args.mtp_num_hidden_layers:
+    if args.mtp_num_hidden_layers and args.family != "deepseek_v3":
         cfg["mtp_num_hidden_layers"] = args.mtp_num_hidden_layers
     for k, v in args.extra.items():
         if k not in ("use_sliding_window", "sliding_window"):  # switched off above (refused when in use)
             cfg.setdefault(k, v)
     return cfg
+
+
+def _deepseek_fields(args: ModelArgs) -> dict[str, Any]:
+    return dict(
+        attention_bias=args.attention_bias, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_nope_head_dim, qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+        rope_interleave=args.rope_interleave, n_routed_experts=args.num_experts, n_shared_experts=args.n_shared_experts,
+        num_experts_per_tok=args.num_experts_per_tok, moe_intermediate_size=args.moe_intermediate_size,
+        norm_topk_prob=args.norm_topk_prob, routed_scaling_factor=args.routed_scaling_factor, n_group=args.n_group,
+        topk_group=args.topk_group, first_k_dense_replace=args.first_k_dense_replace,
+        # written even when 0: transformers' default is 1 (the nextn layer: model.layers.<num_hidden_layers>)
+        num_nextn_predict_layers=args.mtp_num_hidden_layers)
+
+
+def read_model_args(model_dir: str) -> ModelArgs:
+    """A checkpoint directory's config.json, read strictly (no torch: the launcher checks a run with it
+    before anything starts)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
+    with open(path) as f:
+        return read_hf_config(json.load(f))

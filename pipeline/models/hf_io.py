@@ -2,6 +2,9 @@
 
 `load_model` builds our decoder (any family pipeline/models/hf_config.py reads) from a real HF
 directory; `save_model` writes one that transformers (and SGLang's loader) read back. Writes are atomic: a temp directory renamed into place.
+Blockwise FP8 checkpoints (DeepSeek-V3's published layout: e4m3 `weight` + fp32 `weight_scale_inv` per
+128 x 128 block) are dequantised on reading (W = q x scale_inv, what training starts from); an FP8
+engine (load_model(quantization="fp8")) keeps the checkpoint's pairs as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs
+from pipeline.models.fp8 import SCALE_SUFFIX
 from pipeline.utils.fs import atomic_dir
+from pipeline.models.hf_config import read_model_args, write_hf_config  # noqa: F401 (read_model_args: kept importable here)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -23,15 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 
 
-def read_model_args(model_dir: str) -> ModelArgs:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
-    with open(path) as f:
-        return ModelArgs.from_hf(json.load(f))
-
-
-def read_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+def read_state_dict(model_dir: str, dequantize: bool = True) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name; FP8 (weight, weight_scale_inv) pairs dequantised to fp32
+    unless `dequantize` is false."""
     from safetensors.torch import load_file
 
     index = os.path.join(model_dir, INDEX_NAME)
@@ -49,7 +48,16 @@ def read_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
         from pipeline.models.qat import dense_from_w4a16
 
         state = dense_from_w4a16(state)
-    return state
+    return _dequantized(state) if dequantize else state
+
+
+def _dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FP8 (weight, weight_scale_inv) pairs replaced by their fp32 weights (W = q x scale_inv per block)."""
+    if not any(k.endswith(SCALE_SUFFIX) for k in state):
+        return state
+    from pipeline.weights.quant import dequantize_fp8_pairs
+
+    return dequantize_fp8_pairs(state, {})
 
 
 MTP_PREFIX = "mtp."
@@ -57,15 +65,24 @@ MTP_INIT_SEED = 0  # a draft head added to a checkpoint without one starts the s
 
 
 def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               mtp_layers: int | None = None):
+               mtp_layers: int | None = None, quantization: str | None = None):
     """Build the model from an HF directory. Returns (args, model).
 
     mtp_layers: None builds what config.json says; 0 drops a checkpoint's MTP draft head; 1 keeps it,
-    or adds a freshly initialised one (seeded, so trainer and engines start equal) when it has none."""
+    or adds a freshly initialised one (seeded, so trainer and engines start equal) when it has none.
+    quantization: "fp8" gives the projections blockwise FP8 weights (pipeline/models/fp8.py), the
+    checkpoint's own where it has them."""
+    from pipeline.models.fp8 import checkpoint_pairs
     from pipeline.models.qwen3 import Qwen3ForCausalLM
 
     args = read_model_args(model_dir)
-    state = read_state_dict(model_dir)
+    state = read_state_dict(model_dir, dequantize=False)
+    pairs = checkpoint_pairs(state) if quantization == "fp8" else {}
+    state = _dequantized(state)
+    if args.is_mla:
+        from pipeline.models.deepseek import nextn_to_mtp
+
+        state, args = nextn_to_mtp(state, args, mtp_layers)
     fresh_mtp = False
     if mtp_layers is not None and mtp_layers != args.mtp_num_hidden_layers:
         fresh_mtp = mtp_layers > 0
@@ -82,6 +99,13 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     if fresh_mtp:
         model.init_weights(MTP_INIT_SEED, prefix=MTP_PREFIX)
     load_state(model, state, source=model_dir, allow_missing=MTP_PREFIX if fresh_mtp else None)
+    if quantization == "fp8":
+        from pipeline.models.fp8 import keep_pairs, to_fp8
+
+        to_fp8(model)
+        keep_pairs(model, pairs)
+    elif quantization is not None:
+        raise ValueError(f"quantization {quantization!r}: load_model knows fp8 only")
     return args, model
 
 
@@ -129,8 +153,13 @@ def save_model(
     from safetensors.torch import save_file
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if args.is_mla:  # the MTP head as DeepSeek's nextn layer
+        from pipeline.models.deepseek import mtp_to_nextn
+
+        state = mtp_to_nextn(state, args)
+    if dtype is not None:  # FP8 weights and their fp32 scales stay as they are
+        state = {k: v.to(dtype) if v.is_floating_point() and v.itemsize > 1 and not k.endswith(SCALE_SUFFIX) else v
+                 for k, v in state.items()}
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -143,7 +172,7 @@ def save_model(
         shards[-1][name] = state[name]
         size += nbytes
     with atomic_dir(out_dir) as tmp:
-        hf_cfg = args.to_hf()
+        hf_cfg = write_hf_config(args)
         if dtype is not None:
             hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         if quantization_config is not None:

@@ -5,7 +5,8 @@ norm) and the embedding of token i+1: both normed, concatenated [embedding, hidd
 to D by `fc`, run through one decoder layer with its own attention, then the shared final norm
 layout and the main model's LM head. Parameter names match SGLang's Qwen3MoeForCausalLMMTP loader:
 mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.0.*, mtp.norm. The embedding
-and LM head are the policy's own, passed in (not copied).
+and LM head are the policy's own, passed in (not copied). DeepSeek-V3's nextn layer is the same module
+(its checkpoint names are mapped in pipeline/models/deepseek.py).
 
 Trained alongside the policy with its own loss (train.mtp_loss_scaling_factor); its inputs are
 detached there, so the draft head never changes the policy's gradient. The built-in engine drafts
@@ -23,7 +24,8 @@ from torch import nn
 import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
-from pipeline.models.qwen3 import DecoderLayer, Linear, RMSNorm
+from pipeline.models.decoder_layer import DecoderLayer
+from pipeline.models.layers import Linear, RMSNorm
 from pipeline.models.rope import rope_cos_sin
 
 
@@ -35,7 +37,10 @@ class MtpHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(d, args.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(d, args.rms_norm_eps)
         self.fc = Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(args, 0)])  # attends through the context's layer 0
+        # attends through the context's layer 0; DeepSeek-V3's nextn layer is an MoE layer (as layers past
+        # first_k_dense_replace are), Qwen's is built like the model's layer 0
+        moe_idx = 0 if args.is_mla and args.is_moe_layer(args.num_hidden_layers) else None
+        self.layers = nn.ModuleList([DecoderLayer(args, 0, moe_idx=moe_idx)])
         self.norm = RMSNorm(d, args.rms_norm_eps)
 
     def forward(self, hidden_ND, next_ids_N, positions_N, ctx, embed_VD, head_VD, at_M=None):

@@ -24,7 +24,7 @@ def is_int4_target(name: str) -> bool:
 
 def enable_int4_qat(model: torch.nn.Module, group_size: int, scale_dtype: torch.dtype) -> int:
     """Route every expert projection's forward through the INT4 fake quantiser. Returns how many."""
-    from pipeline.models.qwen3 import Linear
+    from pipeline.models.layers import Linear
 
     n = 0
     for name, module in model.named_modules():

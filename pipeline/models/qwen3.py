@@ -1,13 +1,17 @@
 """The decoder of every family Lockstep runs (RMSNorm, RoPE, GQA, SwiGLU), with an optional top-k MoE block.
 
-Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x are one module with a few switches read from the
-config (ModelArgs): q/k RMSNorm (Qwen3), q/k/v bias (Qwen2, or attention_bias), o_proj bias
+Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5, Llama 3.x and DeepSeek-V3 are one module with a few switches read
+from the config (ModelArgs): q/k RMSNorm (Qwen3), q/k/v bias (Qwen2, or attention_bias), o_proj bias
 (attention_bias outside Qwen2), MLP bias (Llama's mlp_bias), and the RoPE type (pipeline/models/rope.py).
+DeepSeek-V3 layers take Multi-head Latent Attention (pipeline/models/mla.py) and, from
+first_k_dense_replace on, the DeepSeek MoE block (pipeline/models/deepseek.py) instead.
 One module serves the trainer and the built-in engine. It runs on a flat stream of tokens; an
 attention context (pipeline.models.attention) says how the tokens group into sequences or attend to a
 KV cache, and an optional `MoeRouting` records or replays (R3) the experts each token is sent to.
 Parameter names equal the Hugging Face checkpoint names of each family, so `state_dict()` loads from
-and saves to real checkpoints unchanged.
+and saves to real checkpoints unchanged. The parts: layers.py (Linear, RMSNorm, MLP, the experts'
+combine), decoder_layer.py (a decoder layer, its attention, the Qwen3-MoE block, MoeRouting), mla.py and
+deepseek.py (DeepSeek-V3's attention and MoE block), mtp.py (the multi-token-prediction head).
 
 Legend: N tokens, D hidden, H query heads, K kv heads, Hd head dim, V vocab, E experts, k top-k.
 """
@@ -17,201 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import lockstep_kernels as kernels
-
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
-from pipeline.models.rope import apply_rope, rope_cos_sin
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose matmul goes through kernels.linear.
-
-    `weight_transform` (None, or e.g. INT4 fake quantisation for QAT: pipeline/models/qat.py) maps the
-    stored weight to the one the forward uses. An FP8 rollout engine's target layers hold an e4m3
-    weight and its block scales instead (pipeline/models/fp8.py)."""
-
-    weight_transform = None
-    fp8 = False  # True once pipeline/models/fp8.py gave it an FP8 weight and a `weight_scale_inv`
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
-            from lockstep_kernels import fp8
-
-            return fp8.linear(x, self.weight, self.weight_scale_inv, self.bias)
-        w = self.weight if self.weight_transform is None else self.weight_transform(self.weight)
-        return kernels.linear(x, w, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        h, hd = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
-        self.q_proj = Linear(h, self.n_heads * hd, bias=args.qkv_bias)
-        self.k_proj = Linear(h, self.n_kv * hd, bias=args.qkv_bias)
-        self.v_proj = Linear(h, self.n_kv * hd, bias=args.qkv_bias)
-        self.o_proj = Linear(self.n_heads * hd, h, bias=args.o_proj_bias)
-        self.qk_norm = args.qk_norm
-        if self.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
-            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
-
-    def forward(self, x_ND, cos, sin, ctx: AttentionContext, layer_idx: int):
-        n = x_ND.shape[0]
-        q = self.q_proj(x_ND).view(n, self.n_heads, self.head_dim)
-        k = self.k_proj(x_ND).view(n, self.n_kv, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x_ND).view(n, self.n_kv, self.head_dim)
-        o_NHD = ctx.attend(layer_idx, q, k, v)
-        return self.o_proj(o_NHD.reshape(n, self.n_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = Linear(hidden, inner, bias=bias)
-        self.up_proj = Linear(hidden, inner, bias=bias)
-        self.down_proj = Linear(inner, hidden, bias=bias)
-
-    def forward(self, x):
-        return self.down_proj(kernels.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoeRouting:
-    """Per-forward routing state: record live top-k experts, and compare with (or replay, R3) a trace.
-
-    trace_NLk: the engine's expert ids [N, num_moe_layers, k]; rows of -1 mean "no trace" (route live).
-    replay: route by the trace instead of the live top-k (rollout routing replay).
-    mismatch/compared count, per MoE layer, traced tokens whose live top-k set differs from the trace.
-    A recompute (activation checkpointing) routes identically: the trace is read, never consumed.
-    A plain class on purpose: FSDP2 rebuilds dataclass arguments when it casts forward inputs, which
-    would send the recorded lists to a copy.
-    """
-
-    def __init__(self, trace_NLk: torch.Tensor | None = None, replay: bool = False, record: bool = False,
-                 jitter: float = 0.0):
-        self.trace_NLk, self.replay, self.record = trace_NLk, replay, record
-        self.jitter = jitter  # fault injection only (pipeline/faults.py: engine_router_jitter)
-        self.recorded: list[torch.Tensor] = []
-        self.mismatch: list[torch.Tensor] = []
-        self.compared: list[torch.Tensor] = []
-
-    def route(self, moe_idx: int, logits_NE: torch.Tensor, k: int, norm_topk: bool):
-        if self.jitter:
-            gen = torch.Generator(logits_NE.device).manual_seed(moe_idx)
-            noise = torch.randn(logits_NE.shape, generator=gen, device=logits_NE.device)
-            logits_NE = logits_NE + (self.jitter * noise).to(logits_NE.dtype)
-        probs_NE = kernels.softmax(logits_NE)
-        live_Nk = kernels.topk_indices(probs_NE, k)
-        idx_Nk = live_Nk
-        if self.trace_NLk is not None:
-            trace_Nk = self.trace_NLk[:, moe_idx].long()
-            known_N1 = (trace_Nk >= 0).all(-1, keepdim=True)
-            differs = (live_Nk.sort(-1).values != trace_Nk.sort(-1).values).any(-1) & known_N1[:, 0]
-            self.mismatch.append(differs.sum().detach())
-            self.compared.append(known_N1.sum().detach())
-            if self.replay:
-                idx_Nk = torch.where(known_N1, trace_Nk, live_Nk)
-        if self.record:
-            self.recorded.append(idx_Nk.detach())
-        weights_Nk = probs_NE.gather(-1, idx_Nk)
-        if norm_topk:
-            weights_Nk = weights_Nk / weights_Nk.sum(-1, keepdim=True)
-        return idx_Nk, weights_Nk.to(logits_NE.dtype)
-
-    def mismatch_counts(self, num_moe_layers: int) -> tuple[float, float]:
-        """(tokens x layers whose live routing differs from the trace, tokens x layers compared),
-        counting each layer once even if activation recompute routed it twice."""
-        m = self.mismatch[:num_moe_layers]
-        c = self.compared[:num_moe_layers]
-        return float(sum(float(x) for x in m)), float(sum(float(x) for x in c))
-
-
-def default_route(logits_NE: torch.Tensor, k: int, norm_topk: bool):
-    return MoeRouting().route(0, logits_NE, k, norm_topk)
-
-
-class SparseMoeBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.top_k, self.norm_topk = args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
-
-    def forward(self, x_ND, routing: MoeRouting | None, moe_idx: int):
-        logits_NE = self.gate(x_ND)
-        if routing is None:
-            idx_Nk, w_Nk = default_route(logits_NE, self.top_k, self.norm_topk)
-        else:
-            idx_Nk, w_Nk = routing.route(moe_idx, logits_NE, self.top_k, self.norm_topk)
-        return run_experts(self.experts, x_ND, idx_Nk, w_Nk)
-
-
-def run_experts(experts: nn.ModuleList, x_ND: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor) -> torch.Tensor:
-    """out[n] = sum over n's experts e, in ascending e, of (w[n, e] * expert_e(x[n])) in x's dtype.
-
-    Each expert runs once on its tokens, gathered in token order; the per-token sum adds in ascending
-    expert id with a rounding after each add (what one index_add per expert computes). The per-expert
-    token counts reach the host in one read per layer (a torch.where per expert read 128 counts one by
-    one: 1,152 device syncs per decode step of a 9-layer, 128-expert model)."""
-    n, k = idx_Nk.shape
-    flat_A = idx_Nk.reshape(-1)
-    order_A = torch.argsort(flat_A, stable=True)  # assignments grouped by expert, tokens ascending within
-    counts = torch.bincount(flat_A, minlength=len(experts)).tolist()
-    token_A = order_A // k
-    weight_A = w_Nk.reshape(-1)[order_A]
-    # where each assignment goes: row n, column = its expert's rank among n's experts
-    rank_Nk = torch.argsort(torch.argsort(idx_Nk, dim=1), dim=1)
-    dest_A = (torch.arange(n, device=idx_Nk.device)[:, None] * k + rank_Nk).reshape(-1)[order_A]
-    y_AD = x_ND.new_zeros(n * k, x_ND.shape[1])
-    unused = x_ND.new_zeros(())
-    start = 0
-    for expert, count in zip(experts, counts):
-        if count == 0:
-            # Keep every expert in the graph so FSDP/DDP see the same parameters used on all ranks.
-            unused = unused + 0.0 * expert(x_ND[:0]).sum()
-            continue
-        rows = slice(start, start + count)
-        y = expert(x_ND[token_A[rows]]) * weight_A[rows, None]
-        y_AD = y_AD.index_copy(0, dest_A[rows], y.to(x_ND.dtype))
-        start += count
-    y_NkD = y_AD.view(n, k, -1)
-    out_ND = torch.zeros_like(x_ND) + unused
-    for j in range(k):
-        out_ND = out_ND + y_NkD[:, j]
-    return out_ND
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.moe_idx = args.moe_layers.index(layer_idx) if args.is_moe_layer(layer_idx) else -1
-        self.self_attn = Attention(args)
-        self.mlp = (SparseMoeBlock(args) if self.moe_idx >= 0
-                    else MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias))
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def forward(self, x_ND, cos, sin, ctx, routing):
-        x_ND = x_ND + self.self_attn(self.input_layernorm(x_ND), cos, sin, ctx, self.layer_idx)
-        h = self.post_attention_layernorm(x_ND)
-        if self.moe_idx >= 0:
-            return x_ND + self.mlp(h, routing, self.moe_idx)
-        return x_ND + self.mlp(h)
+from pipeline.models.decoder_layer import DecoderLayer, MoeRouting
+from pipeline.models.layers import Linear, RMSNorm
+from pipeline.models.rope import rope_cos_sin
 
 
 class Qwen3Model(nn.Module):
@@ -286,7 +100,7 @@ class Qwen3ForCausalLM(nn.Module):
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))

@@ -9,7 +9,11 @@ depend on each batch's longest sequence, so longer runs are refused at start
 (a few small ops, captured by the engine's CUDA graphs): trainer, engine, MTP head and megatron's
 rotary embedding all read this one function.
 
-Legend: N tokens, Hd head dim, F = Hd / 2 frequencies.
+MLA (DeepSeek-V3) rotates only its qk_rope_head_dim part (`ModelArgs.rope_dim`), on interleaved pairs
+when rope_interleave (`apply_rope_interleaved`), and its softmax scale carries YaRN's mscale_all_dim
+(`mla_softmax_scale`), as transformers' DeepseekV3Attention.
+
+Legend: N tokens, Hd head dim (the rotated dims), F = Hd / 2 frequencies.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def _default(theta: float, dim: int, device) -> torch.Tensor:
 
 def inv_freq(args: ModelArgs, device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [F] in fp32, attention factor multiplying cos and sin)."""
-    dim, base, rs = args.head_dim, args.rope_theta, args.rope_scaling
+    dim, base, rs = args.rope_dim, args.rope_theta, args.rope_scaling
     if rs is None:
         return _default(base, dim, device), 1.0
     factor = rs.get("factor")
@@ -61,6 +65,21 @@ def _llama3(freq: torch.Tensor, rs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _get_mscale(scale, m=1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def mla_softmax_scale(args: ModelArgs) -> float:
+    """MLA's attention scale: 1/sqrt(qk head dim), times mscale(factor, mscale_all_dim)^2 under a RoPE
+    scaling with mscale_all_dim (transformers' yarn_apply_mscale, same expression order)."""
+    scale = args.head_dim ** (-0.5)
+    rs = args.rope_scaling
+    if rs is not None and rs.get("mscale_all_dim"):
+        mscale = _get_mscale(rs.get("factor"), rs.get("mscale_all_dim"))
+        scale = scale * mscale * mscale
+    return scale
+
+
 def yarn_attention_factor(rs) -> float:
     """YaRN's cos/sin scale: attention_factor if given, else 0.1 ln(factor) + 1 (with mscale /
     mscale_all_dim: their ratio), as transformers' _compute_yarn_parameters."""
@@ -68,12 +87,9 @@ def yarn_attention_factor(rs) -> float:
         return rs.get("attention_factor")
     factor, mscale, mscale_all_dim = rs.get("factor"), rs.get("mscale"), rs.get("mscale_all_dim")
 
-    def get_mscale(scale, m=1):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if mscale and mscale_all_dim:
-        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-    return get_mscale(factor)
+        return float(_get_mscale(factor, mscale) / _get_mscale(factor, mscale_all_dim))
+    return _get_mscale(factor)
 
 
 def _yarn(base: float, dim: int, rs, device) -> tuple[torch.Tensor, float]:
@@ -112,3 +128,10 @@ def apply_rope(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) 
     half = x_NHD.shape[-1] // 2
     rotated = torch.cat((-x_NHD[..., half:], x_NHD[..., :half]), dim=-1)
     return x_NHD * cos_ND[:, None] + rotated * sin_ND[:, None]
+
+
+def apply_rope_interleaved(x_NHD: torch.Tensor, cos_ND: torch.Tensor, sin_ND: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ...; the result is laid out [rotated evens, rotated
+    odds] (as transformers' apply_rotary_pos_emb_interleave: q and k alike, so q.k is unchanged). Same
+    products and sums as apply_rope on the de-interleaved input."""
+    return apply_rope(torch.cat((x_NHD[..., 0::2], x_NHD[..., 1::2]), dim=-1), cos_ND, sin_ND)

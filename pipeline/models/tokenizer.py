@@ -44,14 +44,15 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render messages with the checkpoint's Jinja chat template (generation prompt appended)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the checkpoint's Jinja chat template (generation prompt appended unless
+        add_generation_prompt is false)."""
         if not self.chat_template:
             raise UserError("data.apply_chat_template is true but the tokenizer has no chat_template")
         import jinja2
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:

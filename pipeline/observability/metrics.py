@@ -1,7 +1,7 @@
 """metrics.jsonl: one JSON object per step, appended and fsynced by trainer rank 0 (the sink that is
 always on; the run summary, reward.png and the nightly report read it).
 
-Keys are namespaced: rollout/*, train/*, perf/*, weights/*. A reader ignores a torn last line (a
+Keys are namespaced: rollout/*, train/*, perf/*, weights/*, eval/*. A reader ignores a torn last line (a
 kill in the middle of an append), so the file is always readable. NaN is written as null, +-inf as
 +-1e308 (JSON has neither).
 """

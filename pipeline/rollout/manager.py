@@ -8,6 +8,11 @@ and filtered; once rollout_batch_size groups are kept the surplus is aborted. Ab
 written into the step's shard as `aborted` (partial) / `deferred` (finished) samples and, with
 partial_rollout, continued next step from their tokens. Everything the next step needs (the prompt
 cursor, the unfinished groups) is in the committed shard, so a restart loses nothing.
+
+With eval.interval, rank 0 also evaluates the held-out sets (evaluation.py) on the weights it was
+given, before the step's rollouts: weights version K in sync mode (the trainer waits for step K
+meanwhile, nothing else runs), whatever version is current in the async modes (the samples record
+it), and version num_rollout after the last step.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rollout import protocol
 from pipeline.rollout.client import EnginePool, Generation
 from pipeline.rollout.data import Prompt, PromptDataset
+from pipeline.rollout.evaluation import Evaluator
 from pipeline.rollout.filters import resolve_filter
 from pipeline.rollout.rewards import resolve_reward, score
 from pipeline.rollout.tito import check_sample, token_hash
@@ -103,6 +109,8 @@ class RolloutManager:
         self.record_routing = self.args.is_moe and (cfg.determinism.routing_replay or cfg.determinism.record_routing)
         self.next_draw = producer_rank  # producer r draws r, r + P, r + 2P, ...
         self.pending: list[Group] = []
+        self.evaluator = (Evaluator(cfg, self.tokenizer, self.pool, self.executor)
+                          if cfg.eval.enabled and producer_rank == 0 else None)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
@@ -116,9 +124,25 @@ class RolloutManager:
             if version is None:
                 log.info("stop requested; rollout manager exits")
                 return
+            self.evaluate(step, version)
             self.run_step(step, version)
             step += 1
+        if self.evaluator and self.cfg.eval.due(step, self.cfg.num_rollout):  # after the last step
+            version = self.rundir.wait_version(step)
+            if version is not None:
+                self.evaluate(step, version)
         log.info("all %d rollout steps committed; rollout manager exits", self.cfg.num_rollout)
+
+    def evaluate(self, step: int, version: int) -> None:
+        """Evaluate weights version >= `version` as the evaluation of step `step`, when due and not done
+        yet (a restart skips what an earlier start completed)."""
+        if self.evaluator is None or not self.cfg.eval.due(step, self.cfg.num_rollout):
+            return
+        out = self.rundir.eval_step(step)
+        if out.summary() is not None:
+            log.info("eval of step %d already complete (%s)", step, out.summary_file)
+            return
+        self.evaluator.evaluate(step, out, min_version=version)
 
     def restore(self) -> int:
         """Continue after the last committed step: its commit record holds the prompt cursor, its shard

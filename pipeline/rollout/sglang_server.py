@@ -63,6 +63,12 @@ def server_argv(cfg: RunConfig, model_path: str, host: str, port: int, api_key: 
         argv += ["--kv-cache-dtype", e.kv_cache_dtype]
     if e.chunked_prefill_size:
         argv += ["--chunked-prefill-size", str(e.chunked_prefill_size)]
+    if e.ep_size > 1:  # MoE experts split over the engine's GPUs (DeepSeek-V3, Qwen3-MoE)
+        argv += ["--ep-size", str(e.ep_size)]
+    if e.attn_dp_size > 1:  # DP attention (SGLang 0.5.23's spelling of --dp-size N --enable-dp-attention)
+        argv += ["--attn-dp-size", str(e.attn_dp_size)]
+    if e.moe_a2a_backend:
+        argv += ["--moe-a2a-backend", e.moe_a2a_backend]
     if e.speculative_algorithm:  # the MTP head in the checkpoint drafts (SGLang loads it as the draft model)
         k = e.speculative_num_steps
         argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(k),

@@ -9,6 +9,6 @@ nothing of Lockstep but pipeline.utils, and every component asks it instead of j
 
 from pipeline.run.files import publish, wait_for
 from pipeline.run.net import bind_address, free_port
-from pipeline.run.rundir import RunDir
+from pipeline.run.rundir import EvalDir, RunDir
 
-__all__ = ["RunDir", "publish", "wait_for", "bind_address", "free_port"]
+__all__ = ["RunDir", "EvalDir", "publish", "wait_for", "bind_address", "free_port"]

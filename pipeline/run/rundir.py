@@ -12,6 +12,9 @@ others through it. `RunDir` owns every name in it; nothing else joins a path ins
   hf/                          the trained model in Hugging Face format
   metrics.jsonl, reward.png    one record per step; the reward curve
   tensorboard/, wandb/         the experiment trackers' files (logging.tensorboard, logging.wandb)
+  eval/step_K/<name>.jsonl     per-sample results of evaluating weights version K on eval set <name>
+  eval/step_K/summary.json     {metrics, weight_version}: published last, so its presence means done
+  eval/hf/                     `lockstep eval RUN_DIR` on the exported hf/ model (same files)
   startup/<component>.json     start-up phases (pipeline/observability/startup.py: the record's format)
   slurm/                       batch scripts of `submit --dry-run`, submitit's job folder
   rendezvous/engine_<i>.json   {url, host, port, pid}        each engine, once it serves
@@ -47,6 +50,28 @@ if TYPE_CHECKING:
     from pipeline.config.schema import RunConfig
 
 ENGINE_PREFIX = "engine_"
+
+
+@dataclass(frozen=True)
+class EvalDir:
+    """One evaluation's files: eval/step_K/ or eval/hf/ in a run directory, or `lockstep eval --out`."""
+
+    root: str
+
+    def samples(self, name: str) -> str:
+        """Per-sample results of eval set `name`, one JSON object per line."""
+        return os.path.join(self.root, f"{name}.jsonl")
+
+    @property
+    def summary_file(self) -> str:
+        """{metrics, weight_version, ...}: published after the sample files, so it marks a complete evaluation."""
+        return os.path.join(self.root, "summary.json")
+
+    def publish_summary(self, summary: dict) -> None:
+        publish(self.summary_file, summary)
+
+    def summary(self) -> dict | None:
+        return read_json(self.summary_file) if os.path.exists(self.summary_file) else None
 
 
 @dataclass(frozen=True)
@@ -143,6 +168,30 @@ class RunDir:
     @property
     def reward_plot(self) -> str:
         return os.path.join(self.root, "reward.png")
+
+    # ---- evaluation (pipeline/rollout/evaluation.py writes; the trainer and the summary read) -------
+    @property
+    def eval_dir(self) -> str:
+        return os.path.join(self.root, "eval")
+
+    def eval_step(self, step: int) -> EvalDir:
+        """The evaluation of weights version `step` (before step `step`, or after the last)."""
+        return EvalDir(os.path.join(self.eval_dir, f"step_{step}"))
+
+    @property
+    def eval_hf(self) -> EvalDir:
+        """`lockstep eval RUN_DIR`: the exported model (hf/) evaluated on its own."""
+        return EvalDir(os.path.join(self.eval_dir, "hf"))
+
+    def eval_steps(self) -> list[int]:
+        """Steps whose evaluation is complete (summary published), ascending."""
+        if not os.path.isdir(self.eval_dir):
+            return []
+        steps = [int(n[5:]) for n in os.listdir(self.eval_dir) if n.startswith("step_") and n[5:].isdigit()]
+        return sorted(s for s in steps if os.path.exists(self.eval_step(s).summary_file))
+
+    def wait_eval(self, step: int, timeout_s: float, alive: Callable[[], None] | None = None) -> dict:
+        return wait_for(self.eval_step(step).summary_file, timeout_s, alive)
 
     @property
     def startup_dir(self) -> str:

@@ -135,12 +135,19 @@ def clean_partial(run_dir: str) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def save_backend(run_dir: str, step: int, backend, keep_last: int) -> str:
+def save_backend(run_dir: str, step: int, backend, keep_last: int, extra: dict | None = None) -> str:
     """Collective: a TrainerBackend's state (policy, optimizer, schedule; PPO's critic) after `step`
-    rollout steps, the weight version the engines then serve beside it."""
+    rollout steps, the weight version the engines then serve beside it, and `extra` (JSON: e.g. SFT's
+    data cursor) in trainer_state.json."""
     b = backend
     critic = (b.critic, b.critic_optimizer) if b.critic is not None else None
-    return save(run_dir, step, b.model, b.optimizer, b.scheduler, {"weight_version": step}, keep_last, critic=critic)
+    state = {"weight_version": step, **(extra or {})}
+    return save(run_dir, step, b.model, b.optimizer, b.scheduler, state, keep_last, critic=critic)
+
+
+def read_state(run_dir: str, step: int) -> dict:
+    """The trainer_state.json record of checkpoint `step`."""
+    return read_json(os.path.join(ckpt_dir(run_dir, step), STATE_NAME))
 
 
 def resume_backend(run_dir: str, backend) -> int:

@@ -48,11 +48,17 @@ def fp8(state: State) -> Iterator[tuple[str, torch.Tensor]]:
 
 def save_hf(state: dict[str, torch.Tensor], cfg: RunConfig, args: ModelArgs, out_dir: str, tokenizer_dir: str) -> None:
     """The final policy as a Hugging Face directory; with train.int4_qat, packed W4A16 (compressed-tensors
-    pack-quantized: the checkpoint an INT4 rollout engine serves)."""
+    pack-quantized: the checkpoint an INT4 rollout engine serves); with checkpoint.export_quantization=fp8,
+    DeepSeek-V3's blockwise FP8 layout (e4m3 weights with 128x128 weight_scale_inv)."""
     from pipeline.models.hf_io import save_model
     from pipeline.models.qat import w4a16_state
 
     qcfg = None
     if cfg.train.int4_qat:
         state, qcfg = w4a16_state(state, cfg.train.int4_group_size, int4_scale_dtype(cfg))
+    elif cfg.checkpoint.export_quantization == "fp8":
+        from pipeline.models.fp8 import block_fp8_state
+        from pipeline.models.hf_config import BLOCK_FP8_CONFIG
+
+        state, qcfg = block_fp8_state(state), dict(BLOCK_FP8_CONFIG)
     save_model(state, args, out_dir, tokenizer_dir=tokenizer_dir, quantization_config=qcfg)

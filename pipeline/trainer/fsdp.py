@@ -24,7 +24,8 @@ from pipeline.config.validate import validate
 from pipeline.models.hf_io import load_model, read_model_args
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.models.mtp import mtp_inputs
-from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
+from pipeline.models.decoder_layer import MoeRouting
+from pipeline.models.qwen3 import Qwen3ForCausalLM
 from pipeline.trainer.base import MtpScores
 from pipeline.trainer.batching import MicroBatch
 from pipeline.trainer.optim import adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference, step_if_finite
@@ -226,7 +227,7 @@ class FSDPBackend:
     def build_critic(self, model_dir: str):
         """PPO's critic: the policy's backbone (initialised from the same checkpoint) with a scalar
         value head, zero-initialised, in place of the LM head. It is trained, never exported."""
-        from pipeline.models.qwen3 import Linear
+        from pipeline.models.layers import Linear
 
         _, critic = load_model(model_dir, dtype=torch.float32, device=self.device, mtp_layers=0)
         critic.lm_head = Linear(self.args.hidden_size, 1, bias=True).to(self.device)

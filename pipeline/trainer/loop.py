@@ -193,7 +193,8 @@ class Trainer:
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = make_transport(self.cfg.weights, clients, self.device, host,
                                      publish_path=rundir.weights_file,
-                                     urls=lambda: rundir.current_engine_urls(n), api_key=key)
+                                     urls=lambda: rundir.current_engine_urls(n), api_key=key,
+                                     engine_type=self.cfg.engine.type)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()
@@ -242,10 +243,11 @@ class Trainer:
 
     # ---- logs, checkpoints, the end ------------------------------------------------------------------
     def log_step(self, step: int, commit: dict, train: dict, perf: dict, sync: dict) -> None:
+        evals = self.eval_metrics(step)
         if self.rank != 0:
             return
         rollout = commit.get("rollout", {})
-        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf}
+        record = {"step": step, "weights/version": step + 1, **rollout, **train, **perf, **evals}
         record.update(memory_metrics(self.device, self.engine_peak_memory))
         if sync:
             record["weights/bytes"] = sync["bytes"]
@@ -253,6 +255,20 @@ class Trainer:
             record["weights/gbps"] = sync["bytes"] / max(sync["seconds"], 1e-9) / 1e9
             record["weights/engine_pause_s"] = sync.get("pause_s", 0.0)
         self.metrics.write(record)
+
+    def eval_metrics(self, step: int) -> dict:
+        """eval/* for step `step`'s record: of weights version `step` (the rollout side evaluates it before
+        committing step `step`'s rollouts, so it is there), or, in the last record, of the final weights,
+        evaluated once the engines hold them: every rank waits for that one (a file, no collective), so
+        the checkpoint save after it does not wait out dist_timeout_s."""
+        version = self.cfg.eval.version_in_record(step, self.cfg.num_rollout)
+        if version is None:
+            return {}
+        if version == self.cfg.num_rollout:
+            summary = self.layout.wait_eval(version, timeout_s=self.cfg.rollout.request_timeout_s * 50)
+        else:
+            summary = self.layout.eval_step(version).summary()
+        return summary["metrics"] if summary else {}
 
     def engine_peak_memory(self) -> list:
         """The built-in engines' peak GPU memory (their /server_info reports it); [] when not known now."""
@@ -315,7 +331,7 @@ def step_times(t: list[float]) -> dict[str, float]:
             "perf/weight_sync_time_s": t[3] - t[2]}
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str, trainer_cls: type[Trainer] = Trainer) -> None:
     clock = StartupClock()
     cfg = load_resolved(run_dir)
     torch.set_num_threads(cfg.train.num_threads)
@@ -327,6 +343,6 @@ def main(run_dir: str) -> None:
     with clock.phase("process_group"):
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
     try:
-        Trainer(cfg, run_dir, clock).run()
+        trainer_cls(cfg, run_dir, clock).run()
     finally:
         dist.destroy_process_group()

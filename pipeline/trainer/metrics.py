@@ -46,16 +46,18 @@ class StepMetrics:
         differs, compared = routing.mismatch_counts(self.num_moe_layers)
         self.add({"routing_live_mismatch_sum": differs * weight, "routing_compared_sum": compared * weight})
 
-    def add_micro_batch(self, mb: MicroBatch, loss: torch.Tensor, old_M: torch.Tensor, terms: dict) -> None:
+    def add_micro_batch(self, mb: MicroBatch, loss: torch.Tensor, old_M: torch.Tensor | None, terms: dict) -> None:
         """A trained micro-batch: its loss, the `_sum` metrics of its loss terms, and how far the
         trainer's pre-update logprobs are from the engine's."""
-        diff_M = (old_M - mb.rollout_logp_M).abs() * mb.mask_M * mb.weight
         m = {k: float(v) * mb.weight for k, v in terms.items() if k.endswith("_sum")}
-        m.update(loss_sum=float(loss.detach()), logprob_abs_diff_sum=float(diff_M.sum()),
-                 tokens_sum=float(mb.mask_M.sum()) * mb.weight, samples_sum=float(mb.num_samples) * mb.weight)
+        m.update(loss_sum=float(loss.detach()), tokens_sum=float(mb.mask_M.sum()) * mb.weight,
+                 samples_sum=float(mb.num_samples) * mb.weight)
+        if old_M is not None:  # None: the supervised loss, no engine logprobs to compare with
+            diff_M = (old_M - mb.rollout_logp_M).abs() * mb.mask_M * mb.weight
+            m["logprob_abs_diff_sum"] = float(diff_M.sum())
+            if mb.weight and diff_M.numel():
+                self.maxes[MAX_DIFF] = max(self.maxes[MAX_DIFF], float(diff_M.max()))
         self.add(m)
-        if mb.weight and diff_M.numel():
-            self.maxes[MAX_DIFF] = max(self.maxes[MAX_DIFF], float(diff_M.max()))
 
     def add_update(self, grad_norm: float, stepped: bool) -> None:
         self.grad_norms.append(grad_norm)
@@ -73,17 +75,22 @@ def train_metrics(totals: dict[str, float], maxes: dict[str, float], grad_norms:
                   lr: float, routing_replay: bool) -> dict[str, float]:
     """The train/* names from the global sums: per-token means, and the rest as they are."""
     n = max(totals.get("tokens_sum", 0.0), 1.0)
-    out = {
-        "train/loss": totals["loss_sum"] / max(len(grad_norms), 1),  # ranks' shares add up to the objective
-        "train/pg_loss": totals.get("pg_loss_sum", 0.0) / n,
-        "train/clipfrac": totals.get("clipfrac_sum", 0.0) / n,
-        "train/approx_kl": totals.get("approx_kl_sum", 0.0) / n,
-        "train/rollout_logprob_abs_diff": totals.get("logprob_abs_diff_sum", 0.0) / n,
+    out = {"train/loss": totals["loss_sum"] / max(len(grad_norms), 1)}  # ranks' shares add up to the objective
+    if "sft_nll_sum" in totals:  # the supervised loss: mean NLL per response token, no policy-gradient terms
+        out["train/sft_loss"] = totals["sft_nll_sum"] / n
+    else:
+        out.update({
+            "train/pg_loss": totals.get("pg_loss_sum", 0.0) / n,
+            "train/clipfrac": totals.get("clipfrac_sum", 0.0) / n,
+            "train/approx_kl": totals.get("approx_kl_sum", 0.0) / n,
+            "train/rollout_logprob_abs_diff": totals.get("logprob_abs_diff_sum", 0.0) / n,
+        })
+    out.update({
         "train/grad_norm": float(np.mean(grad_norms)),
         "train/lr": lr,
         "train/tokens": totals.get("tokens_sum", 0.0),
         "train/skipped_steps": skipped,
-    }
+    })
     if totals.get("routing_compared_sum"):
         live = totals["routing_live_mismatch_sum"] / totals["routing_compared_sum"]
         out["train/routing_live_mismatch_frac"] = live  # trainer's own routing vs the engine's
@@ -101,7 +108,8 @@ def train_metrics(totals: dict[str, float], maxes: dict[str, float], grad_norms:
     if totals.get("mtp_tokens_sum"):  # the draft head: loss, and how often its top guess is right
         out["train/mtp_loss"] = totals["mtp_nll_sum"] / totals["mtp_tokens_sum"]
         out["train/mtp_acc"] = totals["mtp_hit_sum"] / totals["mtp_tokens_sum"]
-    out.update(maxes)
+    if "train/rollout_logprob_abs_diff" in out:
+        out.update(maxes)
     return out
 
 

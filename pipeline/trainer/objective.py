@@ -1,6 +1,7 @@
 """The loss of one micro-batch: the policy's forward, then the algorithm's terms (pipeline/algo/losses.py)
 put together: off-policy correction, the clipped policy loss with its KL and entropy terms, PPO's
-value loss, the MTP draft head's loss. Legend: M scored response tokens of the micro-batch.
+value loss, the MTP draft head's loss; or, with algo.loss_type=sft_loss, the supervised NLL of the
+response tokens alone. Legend: M scored response tokens of the micro-batch.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.algo.losses import PolicyLossConfig, PolicyTokens, grpo_loss, off_policy_weights, reduction_scale, value_loss
+from pipeline.algo.losses import (PolicyLossConfig, PolicyTokens, grpo_loss, off_policy_weights, reduction_scale, sft_loss,
+                                  value_loss)
 from pipeline.config.schema import RunConfig
 from pipeline.models.config import ModelArgs
 from pipeline.trainer.base import TrainerBackend
@@ -38,6 +40,8 @@ class Objective:
     """Weight of the MTP head's loss; 0: the policy has no head, or it is not trained."""
     replay: bool
     """R3: the forward replays the engine's experts."""
+    loss_type: str = "policy_loss"
+    """algo.loss_type: policy_loss (RL) or sft_loss (supervised NLL of the response tokens)."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig, args: ModelArgs) -> Objective:
@@ -47,7 +51,7 @@ class Objective:
                    use_rollout_logprobs=a.use_rollout_logprobs, value_loss_coef=a.value_loss_coef,
                    eps_clip_value=a.eps_clip_value,
                    mtp_coef=cfg.train.mtp_loss_scaling_factor if args.mtp_num_hidden_layers else 0.0,
-                   replay=cfg.determinism.routing_replay)
+                   replay=cfg.determinism.routing_replay, loss_type=a.loss_type)
 
 
 @dataclass
@@ -55,8 +59,9 @@ class MicroBatchLoss:
     loss: torch.Tensor
     terms: dict[str, torch.Tensor]
     """The loss terms' metric sums (keys ending in _sum)."""
-    old_logp_M: torch.Tensor
-    """The pre-update logprobs the ratio used (or would have: see Objective.use_rollout_logprobs)."""
+    old_logp_M: torch.Tensor | None
+    """The pre-update logprobs the ratio used (or would have: see Objective.use_rollout_logprobs); None
+    for the supervised loss, which has no ratio (and no engine logprobs to compare)."""
     routing: object
     """The forward's MoE routing state (None for dense models)."""
 
@@ -65,6 +70,8 @@ def micro_batch_loss(obj: Objective, b: TrainerBackend, mb: MicroBatch, targets:
                      counts: GlobalCounts) -> MicroBatchLoss:
     """Forward the policy (and the critic, the reference model when needed) on `mb`; its weighted
     share of the mini-batch's loss."""
+    if obj.loss_type == "sft_loss":
+        return supervised_loss(obj, b, mb, counts)
     p = obj.policy
     logp_M, ent_M, routing, *mtp = b.logprobs(mb, replay=obj.replay, want_entropy=p.entropy_coef > 0,
                                               want_mtp=obj.mtp_coef > 0)
@@ -96,3 +103,13 @@ def micro_batch_loss(obj: Objective, b: TrainerBackend, mb: MicroBatch, targets:
         loss = loss + obj.mtp_coef * (nll_sum / max(counts.tokens, 1.0)) * mb.weight
         m.update(mtp_nll_sum=nll_sum.detach(), mtp_hit_sum=(s.hit_M * s.mask_M).sum(), mtp_tokens_sum=s.mask_M.sum())
     return MicroBatchLoss(loss, {**m, **is_metrics}, old_M, routing)
+
+
+def supervised_loss(obj: Objective, b: TrainerBackend, mb: MicroBatch, counts: GlobalCounts) -> MicroBatchLoss:
+    """algo.loss_type=sft_loss: the policy's NLL of the target tokens (mask 1), reduced like the policy
+    loss (algo.loss_reduction over the global batch)."""
+    logp_M, _, routing = b.logprobs(mb, replay=obj.replay)
+    scale_M = reduction_scale(mb.mask_M, mb.sample_of_M, mb.len_of_sample, obj.reduction, counts.tokens,
+                              counts.samples, counts.max_len) * mb.weight
+    loss, m = sft_loss(logp_M, mb.mask_M, scale_M)
+    return MicroBatchLoss(loss, m, None, routing)

@@ -18,7 +18,9 @@ from pipeline.trainer.targets import Scores
 def needs_score_pass(algo: AlgoConfig, num_minibatches: int) -> bool:
     """Scores before any update are needed for several updates per rollout (PPO's old logprobs),
     for per-token KL rewards, and for a critic's values. Otherwise each micro-batch's own forward is
-    its pre-update one."""
+    its pre-update one. The supervised loss needs none of them."""
+    if algo.loss_type == "sft_loss":
+        return False
     return num_minibatches > 1 or algo.advantage_estimator == "ppo" or (algo.token_level and algo.kl_coef > 0)
 
 

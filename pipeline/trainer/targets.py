@@ -69,8 +69,11 @@ def token_advantages(batch: RolloutBatch, local: list[int], scores: Scores | Non
 
     Sample-level estimators broadcast each sample's advantage to its tokens. Token-level estimators
     compute returns (or GAE) per sample, then whiten with the global mean and variance, which
-    `global_moments(sum, sum_sq, count) -> (sum, sum_sq, count)` reduces across ranks.
+    `global_moments(sum, sum_sq, count) -> (sum, sum_sq, count)` reduces across ranks. The supervised
+    loss has no rewards: zeros.
     """
+    if cfg.loss_type == "sft_loss":
+        return np.zeros(len(batch.logprobs), dtype=np.float32), None
     if not cfg.token_level:
         return np.repeat(sample_advantages(batch, cfg), batch.response_len).astype(np.float32), None
     rewards = batch.rewards.astype(np.float64)
@@ -85,6 +88,11 @@ def token_advantages(batch: RolloutBatch, local: list[int], scores: Scores | Non
         kl = None
         if cfg.kl_coef and scores is not None and scores.ref_logp_R is not None:
             kl = A.kl_estimate_np(scores.old_logp_R[sl], scores.ref_logp_R[sl])
+        if cfg.advantage_estimator == "reinforce_plus_plus_baseline":
+            # Miles/slime/verl: the sample's (reward - group mean) on every token, minus that token's own
+            # KL penalty; no discounting, no sum of later tokens' KL (gamma does not apply).
+            raw[sl] = rewards[i] - (cfg.kl_coef * kl if kl is not None else 0.0)
+            continue
         r = np.zeros(n)
         if kl is not None:
             r -= cfg.kl_coef * kl

@@ -2,8 +2,9 @@
 
 Uses SGLang's endpoints: /init_weights_update_group once per membership, then per bucket
 /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version on the last
-bucket} while rank 0 broadcasts the bucket's tensors in the same order. NCCL/RCCL between GPUs
-(InfiniBand RDMA across nodes), gloo on CPU.
+bucket} while rank 0 broadcasts the bucket's tensors in the same order, inside the weight-update
+session (/begin_weight_update ... /end_weight_update) that common.py opens around every push. NCCL/RCCL
+between GPUs (InfiniBand RDMA across nodes), gloo on CPU.
 
 Engines come and go (a dead one is restarted with a new address): the group is rebuilt whenever the
 set of live engines changes. Membership, the host copy, retries and catch-up are common.py's
@@ -23,7 +24,7 @@ from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient
 from pipeline.run import free_port, publish
 from pipeline.weights.buckets import buckets_of
-from pipeline.weights.common import EngineSet, HostCache, NamedTensors, VersionSync
+from pipeline.weights.common import EngineSet, HostCache, NamedTensors, SyncedTransport, VersionSync
 from pipeline.weights.group import backend_for, broadcast, create_group
 from pipeline.weights.quant import wire
 
@@ -31,7 +32,7 @@ log = logging.getLogger("lockstep.weights")
 GROUP_PREFIX = "lockstep_weights"
 
 
-class BroadcastTransport:
+class BroadcastTransport(SyncedTransport):
     always_pauses = False  # the engine stages buckets and applies them together with the last one
 
     def __init__(self, cfg: WeightsConfig, clients: list[EngineClient], device: torch.device, host: str,
@@ -44,29 +45,6 @@ class BroadcastTransport:
         self.staging = device
         self.sync = VersionSync(cfg, self, EngineSet(clients, cfg.timeout_s, urls, api_key),
                                 HostCache(cfg.keep_host_copy, device))
-
-    # ---- WeightTransport (base.py): the shared logic in common.VersionSync ---------------------------
-    @property
-    def clients(self) -> list[EngineClient]:
-        return self.sync.engines.clients
-
-    def connect(self, clients: list[EngineClient] | None = None) -> None:
-        self.sync.connect(clients)
-
-    def send(self, named_tensors: NamedTensors, version: int, pause: bool = False) -> dict:
-        return self.sync.send(named_tensors, version, pause)
-
-    def catch_up(self) -> bool:
-        return self.sync.catch_up()
-
-    def watch(self, interval_s: float = 2.0) -> None:
-        self.sync.watch(interval_s)
-
-    def live_clients(self) -> list[EngineClient]:
-        return self.sync.engines.live()
-
-    def close(self) -> None:
-        self.sync.close()
 
     # ---- the link (common.Link): a process group with the engines -------------------------------------
     @property

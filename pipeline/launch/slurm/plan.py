@@ -32,6 +32,9 @@ def components(cfg: RunConfig, profile: ClusterProfile) -> list[Component]:
 def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
     """Refuse impossible requests before submission, each with the fix."""
     s = cfg.slurm
+    if cfg.sft:
+        raise UserError("algo.loss_type=sft_loss runs with `lockstep run` only so far (the Slurm plan always has a"
+                        " rollout component): run it there, or inside an salloc")
     trainer_tasks = s.trainer.nodes * s.trainer.tasks_per_node
     if trainer_tasks != cfg.train.num_gpus:
         raise UserError(f"slurm.trainer: nodes x tasks_per_node = {trainer_tasks} but train.num_gpus = {cfg.train.num_gpus}:"

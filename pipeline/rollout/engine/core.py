@@ -24,10 +24,11 @@ from pipeline.models.config import ModelArgs
 from pipeline.models.flat import flatten_parameters
 from pipeline.models.fp8 import load_into
 from pipeline.models.logprobs import token_logprobs
-from pipeline.models.qwen3 import MoeRouting, Qwen3ForCausalLM
-from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
+from pipeline.models.decoder_layer import MoeRouting
+from pipeline.models.qwen3 import Qwen3ForCausalLM
+from pipeline.rollout.engine.kv_cache import CacheAttention, make_cache
 from pipeline.rollout.protocol import MemoryTag
-from pipeline.rollout.engine.sampling import sample
+from pipeline.rollout.engine.sampling import sample, sampling_rows
 
 
 @dataclass
@@ -87,30 +88,6 @@ class Request:
 
     def seed(self) -> int:
         return self.params.sampling_seed
-
-
-def _to_device(t: torch.Tensor, device, pinned: bool) -> torch.Tensor:
-    """A host tensor onto the device; `pinned` (overlapped decode): from pinned memory, non-blocking (a
-    copy from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
-    if torch.device(device).type != "cuda" or not pinned:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0, pinned: bool = False) -> dict:
-    """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
-    starting at its next one, `ahead` past it (tokens sampled but not read back yet) (rows request-major:
-    a request's positions are adjacent). Built on the host and moved in two copies (pinned: see
-    `_to_device`); `truncated` (any row with top-p/top-k) is known without reading the device."""
-    floats = torch.tensor([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32)
-    ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs],
-                         [len(r.output_ids) + ahead for r in reqs]], dtype=torch.int64)
-    if per_request > 1:
-        floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
-        ints[2] += torch.arange(per_request).repeat(len(reqs))
-    floats, ints = _to_device(floats, device, pinned), _to_device(ints, device, pinned)
-    return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
-            "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}
 
 
 class _Pending:
@@ -179,14 +156,16 @@ class Engine:
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_token_ids = list(eos_token_ids)
-        self.cache = KVCache(self.args, max_running, context_length, dtype, device)
+        self.cache = make_cache(self.args, max_running, context_length, dtype, device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.cv = threading.Condition()
         self.model_lock = threading.Lock()
         self.paused = False
         self.weight_version = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
+        # weight_sessions_*: SGLang weight-update sessions begun / ended (the server's WeightReceiver)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0,
+                      "weight_sessions_begun": 0, "weight_sessions_ended": 0}
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
         self.released: set[MemoryTag] = set()  # tags whose memory is given back
@@ -530,7 +509,7 @@ class Engine:
 
     def _cache_tensors(self) -> list[torch.Tensor]:
         caches = [self.cache] + ([self.spec.cache] if self.spec else [])
-        return [t for c in caches for t in c.k + c.v]
+        return [t for c in caches for t in c.tensors()]
 
     def _resume_weights(self) -> None:
         for flat in self.flat_weights:

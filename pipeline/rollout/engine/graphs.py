@@ -11,7 +11,9 @@ buffers). Key lengths live on the device (kernels.decode_attention), so nothing 
 the host.
 
 Dense models and plain decoding only: MoE routing groups tokens by expert with data-dependent shapes,
-and speculative verify steps change shape with the draft; both stay eager.
+and speculative verify steps change shape with the draft; both stay eager. MLA models (a dense
+DeepSeek-V3) decode through the latent cache here too (attend_latent); every DeepSeek-V3 checkpoint
+with MoE layers decodes eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import torch
 
 import lockstep_kernels as kernels
-from pipeline.rollout.engine.kv_cache import KVCache
+from pipeline.rollout.engine.kv_cache import KVCache, LatentCache
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class StaticDecodeAttention:
     """Decode attention for slots 0..bucket-1 at device-side positions: write each row's key/value at
     its position, attend over the slot's positions 0..pos."""
 
-    def __init__(self, cache: KVCache, positions_B: torch.Tensor):
+    def __init__(self, cache: KVCache | LatentCache, positions_B: torch.Tensor):
         self.cache, self.positions = cache, positions_B
         self.rows = torch.arange(positions_B.numel(), device=positions_B.device)
 
@@ -48,6 +50,14 @@ class StaticDecodeAttention:
         kc[self.rows, :, self.positions] = k_BKD
         vc[self.rows, :, self.positions] = v_BKD
         return kernels.decode_attention(q_BHD, kc, vc, self.positions + 1)
+
+    def attend_latent(self, layer_idx, q_BHD, latent_BL, mla):
+        """MLA: write each row's latent at its position, attend over the slot's rows 0..pos (the whole
+        cache length is read; later positions are masked)."""
+        lat = self.cache.latent[layer_idx]
+        lat[self.rows, self.positions] = latent_BL
+        o_BH1V = mla.attend_cached(q_BHD[:, :, None], lat[: self.rows.numel()], self.positions[:, None], decode=True)
+        return o_BH1V[:, :, 0]
 
 
 class _BucketStep:

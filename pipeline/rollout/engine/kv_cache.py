@@ -8,8 +8,13 @@ One context class serves prefill (many new tokens per sequence, possibly after a
 decode (one token per sequence): write the new keys/values at their positions, then attend over the
 slot's first `pos + 1` positions.
 
+Multi-head Latent Attention (DeepSeek-V3, pipeline/models/mla.py) caches no keys or values: a
+`LatentCache` holds each token's latent row (kv_lora_rank + qk_rope_head_dim values per layer), and
+`attend_latent` writes the new rows and lets the MLA module attend over the slot's rows (expanded, or
+absorbed for default-mode decode steps). `make_cache` picks the cache a model needs.
+
 Legend: S slots, B sequences in this forward, N stream tokens, K kv heads, H query heads, D head dim,
-T cache length, Q new tokens per sequence (padded).
+T cache length, Q new tokens per sequence (padded), L latent row (MLA).
 """
 
 from __future__ import annotations
@@ -33,6 +38,30 @@ class KVCache:
         for k, v in zip(self.k, self.v):
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache (a memory release frees them)."""
+        return self.k + self.v
+
+
+class LatentCache:
+    """MLA's cache: one [S, T, L] tensor of latent rows per layer (`latent`)."""
+
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device):
+        shape = (num_slots, max_len, args.kv_lora_rank + args.qk_rope_head_dim)
+        self.latent = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        for lat in self.latent:
+            lat[dst, :length] = lat[src, :length]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.latent)
+
+
+def make_cache(args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache | LatentCache:
+    return (LatentCache if args.is_mla else KVCache)(args, num_slots, max_len, dtype, device)
 
 
 class CacheAttention:
@@ -70,7 +99,18 @@ class CacheAttention:
             k_BKTD, v_BKTD = kc[: self.batch, :, : self.kv_len], vc[: self.batch, :, : self.kv_len]
         else:
             k_BKTD, v_BKTD = kc[self.slots, :, : self.kv_len], vc[self.slots, :, : self.kv_len]
-        q_BQHD = q_NHD.new_zeros(self.batch, self.q_len, *q_NHD.shape[1:])
-        q_BQHD[self.grid_index] = q_NHD
-        o_BHQD = attend_padded(q_BQHD.transpose(1, 2), k_BKTD, v_BKTD, self.qpos_BQ)
+        o_BHQD = attend_padded(self._grid(q_NHD).transpose(1, 2), k_BKTD, v_BKTD, self.qpos_BQ)
         return o_BHQD.transpose(1, 2)[self.grid_index]
+
+    def attend_latent(self, layer_idx, q_NHD, latent_NL, mla):
+        lat = self.cache.latent[layer_idx]
+        lat[self.token_slot, self.positions] = latent_NL
+        lat_BTL = lat[: self.batch, : self.kv_len] if self.contiguous else lat[self.slots, : self.kv_len]
+        o_BHQV = mla.attend_cached(self._grid(q_NHD).transpose(1, 2), lat_BTL, self.qpos_BQ, decode=self.q_len == 1)
+        return o_BHQV.transpose(1, 2)[self.grid_index]
+
+    def _grid(self, x_NHD: torch.Tensor) -> torch.Tensor:
+        """[B, Q, H, D]: each sequence's new tokens in a row (padding rows zero)."""
+        x_BQHD = x_NHD.new_zeros(self.batch, self.q_len, *x_NHD.shape[1:])
+        x_BQHD[self.grid_index] = x_NHD
+        return x_BQHD

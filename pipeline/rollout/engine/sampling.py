@@ -10,10 +10,15 @@ Legend: B rows (requests), V vocab.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lockstep_kernels import GREEDY_EPS, scaled_logits
 from lockstep_kernels.dispatch import use_triton
+
+if TYPE_CHECKING:
+    from pipeline.rollout.engine.core import Request
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -91,3 +96,27 @@ def sample(
     greedy = temperature_B < GREEDY_EPS
     noisy = torch.where(greedy[:, None], scaled.double(), noisy)
     return noisy.argmax(-1)
+
+
+def to_device(t: torch.Tensor, device, pinned: bool) -> torch.Tensor:
+    """A host tensor onto the device; `pinned` (overlapped decode): from pinned memory, non-blocking (a
+    copy from pageable memory first waits for everything queued on the stream: it would end the overlap)."""
+    if torch.device(device).type != "cuda" or not pinned:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def sampling_rows(reqs: list[Request], device, per_request: int = 1, ahead: int = 0, pinned: bool = False) -> dict:
+    """`sample()`'s per-row arguments for `per_request` consecutive output positions of each request,
+    starting at its next one, `ahead` past it (tokens sampled but not read back yet) (rows request-major:
+    a request's positions are adjacent). Built on the host and moved in two copies (pinned: see
+    `to_device`); `truncated` (any row with top-p/top-k) is known without reading the device."""
+    floats = torch.tensor([[r.params.temperature for r in reqs], [r.params.top_p for r in reqs]], dtype=torch.float32)
+    ints = torch.tensor([[r.params.top_k for r in reqs], [r.seed() for r in reqs],
+                         [len(r.output_ids) + ahead for r in reqs]], dtype=torch.int64)
+    if per_request > 1:
+        floats, ints = floats.repeat_interleave(per_request, 1), ints.repeat_interleave(per_request, 1)
+        ints[2] += torch.arange(per_request).repeat(len(reqs))
+    floats, ints = to_device(floats, device, pinned), to_device(ints, device, pinned)
+    return {"temperature_B": floats[0], "top_p_B": floats[1], "top_k_B": ints[0], "seeds_B": ints[1],
+            "positions_B": ints[2], "truncated": any(r.params.top_p < 1.0 or r.params.top_k > 0 for r in reqs)}

@@ -6,6 +6,7 @@ Endpoints (same paths, bodies and response shapes as `sglang.launch_server`):
   POST /generate                 input_ids (one or a batch), sampling_params, return_logprob, return_routed_experts, rid
   POST /abort_request            rid | abort_all
   POST /flush_cache, /pause_generation, /continue_generation
+  POST /begin_weight_update      selector; /end_weight_update: the session tensor / distributed updates run in
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk model_path
   POST /update_weights_from_tensor serialized_named_tensors (colocated: shared memory / CUDA IPC handles)
@@ -176,6 +177,10 @@ class EngineServer:
         if path == "/continue_generation":
             e.resume()
             return HTTPStatus.OK, {"success": True}
+        if path == "/begin_weight_update":
+            return self._result(self.receiver.begin_session(body))
+        if path == "/end_weight_update":
+            return self._result(self.receiver.end_session(body))
         if path == "/init_weights_update_group":
             return self._result(self.receiver.init_group(body))
         if path == "/update_weights_from_distributed":
@@ -347,7 +352,8 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     tdtype = getattr(torch, dtype)
     with clock.phase("load"):
-        _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers)
+        # an FP8 engine keeps an FP8 checkpoint's own weights (the Engine quantises the rest)
+        _, model = load_model(model_path, dtype=tdtype, device=dev, mtp_layers=mtp_layers, quantization=quantization)
         tokenizer = load_tokenizer(model_path)
     graph_bs = 0 if dev.type != "cuda" else (max_running if cuda_graph_max_bs is None else cuda_graph_max_bs)
     with clock.phase("engine"):  # flat weights, KV cache

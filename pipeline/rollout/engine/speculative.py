@@ -27,9 +27,8 @@ import dataclasses
 import torch
 
 from pipeline.models.logprobs import token_logprobs
-from pipeline.rollout.engine.core import sampling_rows
-from pipeline.rollout.engine.kv_cache import CacheAttention, KVCache
-from pipeline.rollout.engine.sampling import sample
+from pipeline.rollout.engine.kv_cache import CacheAttention, make_cache
+from pipeline.rollout.engine.sampling import sample, sampling_rows
 
 
 def accepted_prefix(draft_Bk: torch.Tensor, target_BK: torch.Tensor) -> torch.Tensor:
@@ -48,7 +47,7 @@ class SpecDecoder:
             raise ValueError("speculative decoding needs a model with an MTP head (model.mtp_num_layers=1)")
         self.engine, self.k = engine, num_steps
         args = dataclasses.replace(engine.args, num_hidden_layers=1)
-        self.cache = KVCache(args, engine.max_running, engine.context_length, engine.dtype, engine.device)
+        self.cache = make_cache(args, engine.max_running, engine.context_length, engine.dtype, engine.device)
         s = engine.stats
         s.update(spec_rounds=0, spec_draft_tokens=0, spec_accepted_tokens=0)
 

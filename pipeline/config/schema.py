@@ -629,8 +629,9 @@ class BufferConfig:
     on_corrupt: Literal["error", "skip"] = "error"
     """A corrupt or truncated shard: stop the run, or skip that part (logged and counted)."""
     keep_consumed: bool = True
-    """Keep rollout steps on disk after training on them; false deletes them once trained on (the
-    newest committed step always stays: it carries the rollout side's state)."""
+    """Keep rollout steps on disk after training on them; false deletes them once a checkpoint is past
+    them (a resumed or restarted trainer re-trains the steps since its checkpoint; the newest committed
+    step always stays: it carries the rollout side's state)."""
     compression: Literal["gzip", "lzf", "none"] = "none"
     """HDF5 filter for token, mask and routing columns (shuffle + this). none writes at the filesystem's
     raw speed; gzip shrinks routing traces 5x (0.19 B/slot) at ~100 MB/s per core (BENCHMARKS.md)."""
@@ -750,7 +751,14 @@ class SlurmConfig:
     signal_delay_s: int = 120
     """Slurm sends USR2 this long before the time limit (or at pre-emption): checkpoint and requeue."""
     max_requeues: int = 3
-    """Requeues after time-outs before the job is left failed."""
+    """Requeues of the job before it is left failed: after pre-emption or the time limit (checkpoint,
+    requeue), and after a failure the driver cannot recover inside the allocation (it requeues the job
+    itself, excluding the node the failure happened on; a node failure is requeued by Slurm). The job
+    runs at most 1 + max_requeues times."""
+    max_restarts: int = 2
+    """Inside one job attempt: restarts in place of the trainer step (all ranks, from the last
+    checkpoint) and of the rollout manager, each; one more failure, or a second failure on the same
+    node, requeues the job without that node. Engines restart in place under engine.max_restarts."""
     checkpoint_timeout_s: float = 300.0
     """How long a signalled job waits for the trainer's checkpoint before stopping the components."""
     submit_dir: str | None = None
@@ -758,6 +766,28 @@ class SlurmConfig:
 
     def __post_init__(self):
         _positive("slurm", time_min=self.time_min, signal_delay_s=self.signal_delay_s)
+        if self.max_requeues < 0 or self.max_restarts < 0:
+            raise ConfigError(f"slurm.max_requeues ({self.max_requeues}) and slurm.max_restarts ({self.max_restarts})"
+                              " must be >= 0 (0: no requeue / no restart in place)")
+
+
+@dataclass
+class FaultsConfig:
+    """Hang detection (used by the Slurm driver, which restarts or requeues what stopped beating)."""
+
+    heartbeat_interval_s: float = 2.0
+    """Every process rewrites run_dir/heartbeat/<component>.json this often."""
+    heartbeat_timeout_s: float = 60.0
+    """A process whose heartbeat is older than this is treated as dead (killed, then restarted in place
+    or the job requeued). Collectives have their own timeout: train.dist_timeout_s."""
+
+    def __post_init__(self):
+        _positive("faults", heartbeat_interval_s=self.heartbeat_interval_s,
+                  heartbeat_timeout_s=self.heartbeat_timeout_s)
+        if self.heartbeat_timeout_s < 3 * self.heartbeat_interval_s:
+            raise ConfigError(f"faults.heartbeat_timeout_s ({self.heartbeat_timeout_s}) < 3 x heartbeat_interval_s"
+                              f" ({self.heartbeat_interval_s}): a slow file system would look like a hang;"
+                              " raise the timeout or beat more often")
 
 
 GROUP_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus_baseline")
@@ -796,6 +826,8 @@ class RunConfig:
     """Evaluation on held-out prompts between steps (and `lockstep eval`)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Submission to Slurm (`lockstep submit`); ignored by `lockstep run`."""
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Hang detection."""
 
     def __post_init__(self):
         _positive("", num_rollout=self.num_rollout)

@@ -272,6 +272,7 @@ class VersionSync:
         for attempt in range(attempts):
             self.link.leave()
             try:
+                self.wait_live(self.cfg.timeout_s)
                 self.ensure_members()
                 stats = self._push(cached, version, pause)
                 stats["retries"] = attempt + 1
@@ -281,6 +282,12 @@ class VersionSync:
                     raise EngineError(f"weight update to version {version} failed {attempts + 1} times: {e}") from e
                 log.warning("weight update retry %d failed (%s)", attempt + 1, e)
         raise AssertionError("unreachable")
+
+    def wait_live(self, timeout_s: float) -> None:
+        """Give a dead sole engine up to `timeout_s` to come back (its launcher restarts it) before a retry."""
+        deadline = time.monotonic() + timeout_s
+        while not self.engines.live() and time.monotonic() < deadline:
+            time.sleep(1.0)
 
     def catch_up(self) -> bool:
         """If the published engine URLs changed (an engine was restarted on a new port), join the live

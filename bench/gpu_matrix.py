@@ -3,6 +3,7 @@ process, HDF5 buffer, weight sync) for a few steps per cell, over sizes x modes.
 
     python bench/gpu_matrix.py --part 1                 # 0.5b and 1.7b rows (under 10 minutes on an H200)
     python bench/gpu_matrix.py --part 2                 # 4b and moe-small rows
+    python bench/gpu_matrix.py --sizes moe-small --modes sync_flattened,sync_per_tensor   # MoE weight sync A/B
     python bench/gpu_matrix.py --sizes 4b --modes colocated,true_on_policy   # any subset
     python bench/gpu_matrix.py --report                 # the markdown table of the JSON so far
     python bench/gpu_matrix.py --tiny                   # CPU: the same cells on tiny presets (checks the script)
@@ -42,6 +43,8 @@ SIZES = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-smal
 TINY_SIZES = {"tiny": "tiny-dense", "tiny-moe": "tiny-moe", "tiny-ds-moe": "deepseek-v3-tiny"}
 PARTS = {1: ["0.5b", "1.7b"], 2: ["4b", "moe-small"], 3: ["ds-moe-small"]}
 
+SYNC_CELL = ["weights.type=tensor", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=2",
+             "train.global_batch_size=8", "rollout.rollout_max_response_len=16"]
 # mode -> the overrides a user would set for it
 MODES = {
     "default": [],
@@ -52,8 +55,12 @@ MODES = {
     "fp8_sync": ["weights.quantization=fp8", "engine.quantization=fp8", "algo.off_policy_correction=tis"],
     "megatron": ["train.backend=megatron"],
     "r3": ["determinism.routing_replay=true"],
+    # Colocated weight sync of a MoE's ~3,500 tensors (12.7 s per sync per tensor on 2026-12-04): short
+    # rollouts so the cell is about the sync, one handle per bucket (the default) vs one per tensor.
+    "sync_flattened": [*SYNC_CELL, "weights.tensor_format=flattened"],
+    "sync_per_tensor": [*SYNC_CELL, "weights.tensor_format=per_tensor"],
 }
-MOE_ONLY = {"r3"}
+MOE_ONLY = {"r3", "sync_flattened", "sync_per_tensor"}
 
 GPU_CONFIG = "configs/bench-0.5b.yaml"  # GRPO, no entropy bonus, no KL: what a real-size recipe runs
 TINY_CONFIG = "configs/tiny.yaml"

@@ -7,6 +7,7 @@
   lockstep config options                      every option with its type, default and meaning
   lockstep buffer inspect|verify RUN_DIR     per-step table of the rollout buffer / check every checksum
   lockstep summary RUN_DIR                     the end-of-run summary (and reward.png) again
+  lockstep status RUN_DIR                      steps, last checkpoint, job attempts, failures and their nodes
   lockstep eval RUN_DIR|MODEL_DIR [--dataset NAME=PATH ...] [--out DIR] [overrides]   evaluate a model alone
   lockstep data make-arith OUT_DIR             write the synthetic arithmetic task as JSONL
   lockstep data make-multidigit OUT_DIR        multi-digit arithmetic with a scratchpad: sft / train / test JSONL
@@ -48,7 +49,6 @@ def cmd_run(args) -> int:
 
 def cmd_submit(args) -> int:
     import dataclasses
-    import time
 
     from pipeline.config import load_config
     from pipeline.launch.prepare import prepare_run
@@ -67,25 +67,29 @@ def cmd_submit(args) -> int:
             print(f"# {path}")
             print(open(path).read())
         return 0
+    since = len(rundir.read_events())  # events of earlier jobs in this run directory are not news
     jobs = submit(cfg, rundir.root, profile)
-    print(f"lockstep: submitted {', '.join(j.job_id for j in jobs)} ({cfg.slurm.mode}, cluster {profile.name});"
+    ids = [j.job_id for j in jobs]
+    print(f"lockstep: submitted {', '.join(ids)} ({cfg.slurm.mode}, cluster {profile.name});"
           f" run_dir {rundir.root}", file=sys.stderr)
     if not args.wait:
         return 0
+    from pipeline.launch.slurm.follow import follow
     from pipeline.observability.metrics import read_metrics
     from pipeline.observability.report import ProgressBar, plot_rewards, summary
 
     bar = ProgressBar(cfg.num_rollout, enabled=cfg.logging.progress)
-    while not all(j.done() for j in jobs):
-        bar.update(read_metrics(rundir.root), status=f"job {jobs[0].job_id} {jobs[0].state}")
-        time.sleep(2)
+
+    def say(line: str) -> None:
+        print(("\n" if bar.enabled and bar.tty else "") + f"lockstep: {line}", file=sys.stderr, flush=True)
+
+    outcome = follow(ids, rundir, say, since=since, tick=lambda state: bar.update(read_metrics(rundir.root), status=state))
     bar.close()
-    for j in jobs:
-        try:
-            result = j.result()  # the driver's summary, or the error it ended the job with
-        except Exception as e:  # submitit re-raises the job's failure here
-            raise ComponentFailed(f"slurm job {j.job_id}", None, str(e)[-3000:]) from None
-        print(f"job {j.job_id}: {result}", file=sys.stderr)
+    if not outcome.ok:
+        print(f"lockstep: error: {outcome.message} (lockstep status {rundir.root}; logs in {rundir.logs})",
+              file=sys.stderr)
+        return 1
+    print(f"lockstep: {outcome.message}", file=sys.stderr)
     plot_rewards(rundir.root)
     print(summary(rundir.root))
     return 0
@@ -123,6 +127,13 @@ def cmd_config(args) -> int:
     else:
         for name, tp, default, doc in option_table(RunConfig):
             print(f"{name:<40} {tp:<28} {default:<14} {doc}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from pipeline.observability.status import status
+
+    print(status(args.run_dir))
     return 0
 
 
@@ -205,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config", nargs="?", default=None)
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_config)
+
+    st = sub.add_parser("status", help="progress, job attempts, failures (and their nodes) of a run")
+    st.add_argument("run_dir")
+    st.set_defaults(fn=cmd_status)
 
     s = sub.add_parser("summary", help="summary and reward plot of a finished run")
     s.add_argument("run_dir")

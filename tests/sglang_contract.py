@@ -6,7 +6,7 @@ What SGLang lets us import on CPU is imported and used as is (ServerArgs and its
 SamplingParams, MultiprocessingSerializer, sglang-router's parser). What does not import here
 (io_struct and the routed-experts capturer pull in torchvision through the multimodal configs) is
 read from the installed SGLang source with `ast`: the request dataclasses' field names, the HTTP
-server's routes, and the routed-experts decoder's own function body.
+server's routes, the weight updater's answers, and the routed-experts decoder's own function body.
 """
 
 from __future__ import annotations
@@ -88,6 +88,15 @@ def http_routes() -> list[str]:
     return routes
 
 
+def weight_update_messages() -> list[str]:
+    """Every constant `message=` SGLang's scheduler weight updater answers with (its refusals when the
+    begin / end weight-update session protocol is broken among them)."""
+    path = sglang_file("srt", "managers", "scheduler_components", "weight_updater.py")
+    return [kw.value.value for node in ast.walk(ast.parse(open(path).read())) if isinstance(node, ast.Call)
+            for kw in node.keywords
+            if kw.arg == "message" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str)]
+
+
 def check_sampling_params(params: list[dict]) -> list[dict]:
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -109,6 +118,63 @@ def check_tensor_payload(payload: str) -> dict:
     named = MultiprocessingSerializer.deserialize(payload)
     return {"names": [n for n, _ in named], "sums": [float(t.double().sum()) for _, t in named],
             "dtypes": [str(t.dtype) for _, t in named], "shapes": [list(t.shape) for _, t in named]}
+
+
+def check_flattened_bucket(data: dict) -> dict:
+    """Lockstep's flattened_bucket body, built in this process (where SGLang imports, as in a trainer
+    beside an SGLang engine): its fields against UpdateWeightsFromTensorReqInput, its payload through
+    SGLang's restricted deserializer and SGLang's own _update_weights_from_flattened_bucket body (its
+    model's load_weights records what it gets), and the same payload through the built-in engine's reader."""
+    import torch
+
+    sys.path.insert(0, data["repo"])
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync import tensor_bucket as sglang_bucket
+
+    from pipeline.rollout import protocol, tensor_bucket
+    from pipeline.weights.receiver import load_named_tensors
+    from pipeline.weights.tensor import flattened_metadata_class
+
+    cls = flattened_metadata_class("flattened", "sglang")
+    g = torch.Generator().manual_seed(0)
+    named = [("model.embed_tokens.weight", torch.randn(8, 4, generator=g).to(torch.bfloat16)),
+             ("model.layers.0.mlp.down_proj.weight", torch.randn(4, 5, generator=g).to(torch.float8_e4m3fn)),
+             ("model.layers.0.mlp.down_proj.weight_scale_inv", torch.rand(1, 1, generator=g)),
+             ("model.norm.weight", torch.randn(3, generator=g))]
+    flat, metadata = tensor_bucket.flatten(named, cls)
+    body = protocol.update_flattened_bucket_body(flat, metadata, tp_size=2, version=4)
+
+    path = sglang_file("srt", "model_executor", "model_runner_components", "weight_updater.py")
+    tree = ast.parse(open(path).read())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_update_weights_from_flattened_bucket")
+    fn.decorator_list, fn.args.args[0].annotation = [], None
+    scope = {"FlattenedTensorMetadata": sglang_bucket.FlattenedTensorMetadata,
+             "FlattenedTensorBucket": sglang_bucket.FlattenedTensorBucket}
+    exec(compile(ast.Module([fn], []), path, "exec"), scope)
+    loaded = []
+
+    class Model:
+        def load_weights(self, weights):
+            loaded.extend(weights)
+
+    class Runner:
+        def get_model(self):
+            return Model()
+
+    payloads = body["serialized_named_tensors"]
+    result = scope[fn.name](Runner(), MultiprocessingSerializer.deserialize(payloads[1]))
+    ours = load_named_tensors(payloads[0], body["load_format"])
+
+    def show(pairs):
+        return {"names": [n for n, _ in pairs], "dtypes": [str(t.dtype) for _, t in pairs],
+                "shapes": [list(t.shape) for _, t in pairs],
+                "bytes": [t.contiguous().view(-1).view(torch.uint8).tolist() for _, t in pairs]}
+
+    return {"metadata_class": f"{cls.__module__}.{cls.__qualname__}" if cls else None,
+            "fields": sorted(body), "sglang_fields": dataclass_fields()["UpdateWeightsFromTensorReqInput"],
+            "load_format": body["load_format"], "weight_version": body["weight_version"],
+            "payloads": len(payloads), "result": list(result), "sent": show(named), "sglang": show(loaded),
+            "builtin": show(ours)}
 
 
 def decode_routed_experts_with_sglang(b64: str) -> list[int]:
@@ -146,12 +212,15 @@ def main() -> None:
         import sglang
 
         result = {"version": sglang.__version__, "fields": dataclass_fields(), "routes": http_routes(),
+                  "weight_update_messages": weight_update_messages(),
                   "sampling": check_sampling_params(data["sampling"]),
                   "routed_experts": decode_routed_experts_with_sglang(data["routed_experts_b64"])}
     elif check == "int4_pack":
         result = check_int4_pack(data)
     elif check == "tensor_payload":
         result = check_tensor_payload(data["payload"])
+    elif check == "flattened_bucket":
+        result = check_flattened_bucket(data)
     else:
         raise SystemExit(f"unknown check {check!r}")
     json.dump(result, sys.stdout, default=str)

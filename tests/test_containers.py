@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pipeline.launch.slurm.driver import srun_command
+from pipeline.launch.slurm.steps import srun_command
 from pipeline.launch.slurm.profile import load_profile
 
 from conftest import REPO

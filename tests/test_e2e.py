@@ -148,3 +148,26 @@ def test_colocated_run_with_bucketed_tensor_updates(tmp_path):
     assert all(r["weights/buckets"] > 5 for r in records)  # each version arrived in several requests
     log = open(RunDir(run_dir).log_file("engine_0")).read()
     assert log.count("memory released: kv_cache, weights") == 3
+    assert_one_session_per_version(log, 3)
+    assert "one per bucket" in open(RunDir(run_dir).log_file("trainer_0")).read()  # flattened buckets (the default)
+
+
+def assert_one_session_per_version(engine_log: str, versions: int) -> None:
+    """Every version's buckets ran in their own SGLang weight-update session (begun, then ended)."""
+    assert engine_log.count("weight-update session begun") == versions, engine_log[-2000:]
+    assert engine_log.count("weight-update session ended after") == versions, engine_log[-2000:]
+
+
+@pytest.mark.slow
+def test_broadcast_run_sends_each_version_in_a_weight_update_session(tmp_path):
+    """weights.type=broadcast through /update_weights_from_distributed, which SGLang (and the built-in
+    engine) refuse outside /begin_weight_update .. /end_weight_update: the run completes, one session
+    per version on every engine."""
+    from test_reliability import SMALL
+
+    run_dir = tmp_path / "run"
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run_dir}", *SMALL, "num_rollout=3", "weights.type=broadcast",
+                   "weights.bucket_size_mb=0.05", "checkpoint.export_hf=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["weights/version"] for r in read_metrics(str(run_dir))] == [1, 2, 3]
+    assert_one_session_per_version(open(RunDir(run_dir).log_file("engine_0")).read(), 3)

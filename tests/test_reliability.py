@@ -162,6 +162,7 @@ SENDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~40 s on 2 busy cores: two updates through a 0.3 s-per-bucket engine
 def test_trainer_gone_mid_update_engine_keeps_last_complete_version(dense_dir, engine_factory, tmp_path):
     eng = engine_factory(dense_dir, env={"LOCKSTEP_FAULTS": "engine_update_delay_s=0.3"})
     client = EngineClient(eng.url)
@@ -178,6 +179,18 @@ def test_trainer_gone_mid_update_engine_keeps_last_complete_version(dense_dir, e
     time.sleep(6)  # the engine's broadcast fails (peer gone, or the 5 s group timeout)
     assert_holds(client, original, 0)  # the old version, whole: nothing of the cut-off update applied
     assert len(client.generate([[5, 6]], [{"max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 0}])[0].output_ids) == 3
+    # The dead sender left its weight-update session open (SGLang refuses a second begin): the next
+    # sender closes it and sends its version in a session of its own.
+    stats = client.request("GET", "/server_info")["stats"]
+    assert stats["weight_sessions_begun"] == 1 and stats["weight_sessions_ended"] == 0
+    sender = BroadcastTransport(WeightsConfig(bucket_size_mb=1, timeout_s=5), [client], torch.device("cpu"),
+                                "127.0.0.1")
+    sender.connect()
+    sender.send(list(new.items()), version=8)
+    sender.close()
+    assert_holds(client, new, 8)
+    stats = client.request("GET", "/server_info")["stats"]
+    assert stats["weight_sessions_begun"] == stats["weight_sessions_ended"] == 2
 
 
 @pytest.mark.slow
@@ -202,6 +215,8 @@ def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_u
     assert sender.catch_up()
     assert [e.url for e in sender.clients] == [a.url, c.url]
     assert_holds(EngineClient(c.url), v1, 1)
+    stats = EngineClient(c.url).request("GET", "/server_info")["stats"]
+    assert stats["weight_sessions_begun"] == stats["weight_sessions_ended"] == 1  # its own session, closed
     assert not sender.catch_up()  # nothing changed since
     sender.close()
 

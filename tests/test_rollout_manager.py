@@ -38,7 +38,7 @@ def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", "num_rollout=8", "rollout_batch_size=6",
                    "over_sampling_batch_size=12", "dynamic_sampling_filter=tests.helpers_filters:reject_every_third",
                    "partial_rollout=true",
-                   "mask_offpolicy_in_partial_rollout=true", "rollout_max_response_len=12", "n_samples_per_prompt=4",
+                   "mask_offpolicy_in_partial_rollout=true", "rollout_max_response_len=12", "rollout.n_samples_per_prompt=4",
                    "global_batch_size=24", "engine.max_running_requests=8", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     reader = BufferReader(RunDir(run).buffer)

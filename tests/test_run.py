@@ -154,3 +154,24 @@ def test_no_run_dir_path_is_joined_by_hand():
                         found += [f"{os.path.relpath(path, REPO)}:{line}: {src}"
                                   for line, src in hand_joined(ast.parse(fh.read(), path))]
     assert not found, "ask RunDir (pipeline/run/rundir.py) for these paths:\n" + "\n".join(found)
+
+
+def test_heartbeats_name_their_node_and_go_silent_when_stopped(tmp_path, monkeypatch):
+    from pipeline.run.heartbeat import Heartbeat, silent
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n7")
+    rd = RunDir(tmp_path)
+    hb = Heartbeat(rd, "engine_0", interval_s=0.05).start()
+    time.sleep(0.3)
+    beats = rd.heartbeats()
+    assert beats["engine_0"]["node"] == "n7" and beats["engine_0"]["pid"] == os.getpid()
+    assert silent(beats, timeout_s=0.2) == {}
+    hb.stop()
+    time.sleep(0.4)
+    assert list(silent(rd.heartbeats(), timeout_s=0.2)) == ["engine_0"]
+    Heartbeat(rd, "engine_1", interval_s=1).beat()
+    rd.clear_heartbeats("engine_0")  # engine_0 only, not engine_1 (nor an engine_10)
+    assert list(rd.heartbeats()) == ["engine_1"]
+    done = Heartbeat(rd, "rollout", interval_s=0.05).start()
+    done.end()  # a component that finished its work withdraws its heartbeat: no hang to find
+    assert list(rd.heartbeats()) == ["engine_1"]

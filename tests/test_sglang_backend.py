@@ -9,6 +9,7 @@ import base64
 import io
 import os
 import pickle
+import re
 import signal
 import sys
 
@@ -79,10 +80,12 @@ def test_router_waits_for_every_engine_to_hold_the_version(dense_dir, engine_fac
                           retry_budget_s=2.0)
         _, model = load_model(dense_dir)
         named = list(model.state_dict().items())
-        EngineClient(engines[0].url, api_key=TOKEN).update_weights_from_tensor(named, version=1)
+        with EngineClient(engines[0].url, api_key=TOKEN).weight_update_session() as c:
+            c.update_weights_from_tensor(named, version=1)
         with pytest.raises(EngineError, match="weight version >= 1"):
             pool.generate([[5]], [params()], min_version=1)
-        EngineClient(engines[1].url, api_key=TOKEN).update_weights_from_tensor(named, version=1)
+        with EngineClient(engines[1].url, api_key=TOKEN).weight_update_session() as c:
+            c.update_weights_from_tensor(named, version=1)
         assert pool.generate([[5]], [params()], min_version=1)[0].weight_version == 1
     finally:
         router.stop()
@@ -106,7 +109,8 @@ def test_colocated_tensor_update_memory_release_and_resume(dense_dir, engine_fac
     _, model = load_model(dense_dir)
     original = {n: t.clone() for n, t in model.state_dict().items()}
     changed = dict(original, **{"model.norm.weight": torch.full_like(original["model.norm.weight"], 0.5)})
-    c.update_weights_from_tensor(list(changed.items()), version=1)
+    with c.weight_update_session():
+        c.update_weights_from_tensor(list(changed.items()), version=1)
     got = c.request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
     assert got == [0.5, 0.5, 0.5] and c.weight_version() == 1
 
@@ -119,18 +123,20 @@ def test_colocated_tensor_update_memory_release_and_resume(dense_dir, engine_fac
     c.resume_memory()
     with pytest.raises(EngineStateError, match="send a complete update"):
         c.generate([[5]], [params()])
-    c.update_weights_from_tensor(list(original.items()), version=2)
+    with c.weight_update_session():
+        c.update_weights_from_tensor(list(original.items()), version=2)
     after = c.generate([[5, 6, 7]], [params(6)])[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
     assert after.weight_version == 2
 
 
-def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory):
+@pytest.mark.parametrize("flattened", [False, True], ids=["per_tensor", "flattened"])
+def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_factory, flattened):
     """Issue 20: a 4B colocated run sent its version in 16 buckets (one request each) after a memory
     release; the engine counted only the last request's names as refilled and refused every /generate
     of the next step with 503, which the rollout manager retried for 5 minutes. Now the buckets
     accumulate, an update whose last bucket leaves parameters unwritten fails at once, and a refusal
-    in that state (409) is not retried."""
+    in that state (409) is not retried. The same with flattened buckets (one handle per request)."""
     eng = engine_factory(dense_dir)
     c = EngineClient(eng.url)
     before = c.generate([[5, 6, 7]], [params(6)])[0]
@@ -140,16 +146,18 @@ def test_colocated_update_in_buckets_refills_released_weights(dense_dir, engine_
     c.release_memory()
     c.resume_memory([MemoryTag.WEIGHTS])
     c.resume_memory([MemoryTag.KV_CACHE])
-    c.update_weights_from_tensor(first)  # a bucket without a version
+    c.begin_weight_update()  # one session for all the buckets, as the tensor transport opens it
+    c.update_weights_from_tensor(first, flattened=flattened)  # a bucket without a version
     with pytest.raises(EngineStateError, match="have not been written"):
         c.generate([[5]], [params()])
     with pytest.raises(EngineError, match="incomplete after a memory release"):
-        c.update_weights_from_tensor(rest[:-1], version=1)  # the "last" bucket, one tensor short
+        c.update_weights_from_tensor(rest[:-1], version=1, flattened=flattened)  # the "last" bucket, one tensor short
     pool = EnginePool([eng.url], timeout_s=30)
     with pytest.raises(EngineStateError):
         pool.generate([[5]], [params()])
     assert pool.retries == 0  # refused at once, not retried for rollout.retry_budget_s
-    c.update_weights_from_tensor(rest[-1:], version=1)
+    c.update_weights_from_tensor(rest[-1:], version=1, flattened=flattened)
+    c.end_weight_update()
     after = c.generate([[5, 6, 7]], [params(6)])[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
 
@@ -158,11 +166,40 @@ def test_tensor_update_refuses_anything_but_tensors(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
     c = EngineClient(eng.url)
     evil = base64.b64encode(pickle.dumps(os.getcwd)).decode()  # a callable instead of (name, tensor)s
-    with pytest.raises(EngineError, match="not allowed"):
-        c.checked("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
-    with pytest.raises(EngineError, match="unknown parameter"):
-        c.update_weights_from_tensor([("model.no_such.weight", torch.zeros(2))], version=5)
+    with c.weight_update_session():
+        with pytest.raises(EngineError, match="not allowed"):
+            c.checked("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+        with pytest.raises(EngineError, match="unknown parameter"):
+            c.update_weights_from_tensor([("model.no_such.weight", torch.zeros(2))], version=5)
     assert c.weight_version() == 0
+
+
+def test_weight_updates_run_only_in_a_session_as_sglang_requires(dense_dir, engine_factory):
+    """SGLang 0.5.2x refuses tensor and distributed updates outside /begin_weight_update ..
+    /end_weight_update, a second begin, and an end without a begin; the built-in engine answers each
+    with SGLang's message (HTTP 400), so a trainer that skips the session fails here on CPU."""
+    eng = engine_factory(dense_dir)
+    c = EngineClient(eng.url)
+    norm = [("model.norm.weight", torch.full((64,), 0.5))]
+    with pytest.raises(EngineError, match=re.escape(protocol.SESSION_REQUIRED.format(
+            endpoint="update_weights_from_tensor"))):
+        c.update_weights_from_tensor(norm, version=1)
+    with pytest.raises(EngineError, match=re.escape(protocol.SESSION_REQUIRED.format(
+            endpoint="update_weights_from_distributed"))):
+        c.checked("/update_weights_from_distributed", protocol.update_distributed_body(norm, "g", 1))
+    with pytest.raises(EngineError, match=re.escape(protocol.SESSION_NOT_OPEN)):
+        c.end_weight_update()
+    assert c.weight_version() == 0
+    with pytest.raises(EngineError, match="invalid selector"):
+        c.checked("/begin_weight_update", {"selector": "both"})
+    c.begin_weight_update()
+    with pytest.raises(EngineError, match=re.escape(protocol.SESSION_ALREADY_OPEN)):
+        c.begin_weight_update()
+    c.update_weights_from_tensor(norm, version=1)
+    c.end_weight_update()
+    assert c.weight_version() == 1
+    stats = c.request("GET", "/server_info")["stats"]
+    assert stats["weight_sessions_begun"] == stats["weight_sessions_ended"] == 1
 
 
 @pytest.mark.slow

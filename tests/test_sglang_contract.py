@@ -6,7 +6,8 @@ sends it is checked against the pinned release's own parser, types and source in
     builds a ServerArgs carrying the intended values; a flag SGLang does not know is refused;
   - the sglang-router command line parses with the router's own parser;
   - request bodies use only fields of SGLang's request dataclasses (io_struct), sampling parameters
-    build a SamplingParams and pass its verify();
+    build a SamplingParams and pass its verify(); the built-in engine's weight-update session refusals
+    are SGLang's own messages;
   - every endpoint the client calls is a route of SGLang's HTTP server;
   - the colocated weight payload loads through SGLang's restricted MultiprocessingSerializer;
   - routed experts encoded as the built-in engine does decode the same with SGLang's decoder.
@@ -147,6 +148,8 @@ def test_request_bodies_and_endpoints_match_sglang():
         "UpdateWeightsFromDistributedReqInput": protocol.update_distributed_body(bucket, "g", 3),
         "UpdateWeightsFromTensorReqInput": protocol.update_tensor_body(bucket, tp_size=2, version=3),
         "UpdateWeightFromDiskReqInput": protocol.update_disk_body("/ckpt/hf", 3),
+        "BeginWeightUpdateReqInput": protocol.begin_weight_update_body(),
+        "EndWeightUpdateReqInput": protocol.end_weight_update_body(),
         "ReleaseMemoryOccupationReqInput": protocol.memory_body([protocol.MemoryTag.KV_CACHE]),
         "ResumeMemoryOccupationReqInput": protocol.memory_body(None),
         "AbortReq": protocol.abort_body(),
@@ -165,6 +168,12 @@ def test_request_bodies_and_endpoints_match_sglang():
         unknown = set(body) - set(out["fields"][cls]) - extra
         assert not unknown, f"{cls}: SGLang has no field(s) {sorted(unknown)}"
     assert set(bodies["UpdateWeightsFromDistributedReqInput"]) >= {"names", "dtypes", "shapes", "group_name"}
+    assert "selector" in out["fields"]["BeginWeightUpdateReqInput"]
+    # the built-in engine refuses a broken weight-update session with SGLang's own words
+    sessions = [protocol.SESSION_REQUIRED.format(endpoint=e)
+                for e in ("update_weights_from_tensor", "update_weights_from_distributed")]
+    sessions += [protocol.SESSION_ALREADY_OPEN, protocol.SESSION_NOT_OPEN]
+    assert not set(sessions) - set(out["weight_update_messages"]), out["weight_update_messages"]
     good, bad = out["sampling"]
     assert good["ok"], good
     assert good["values"]["sampling_seed"] == 12345 and good["values"]["no_stop_trim"] is True
@@ -172,7 +181,8 @@ def test_request_bodies_and_endpoints_match_sglang():
     assert not bad["ok"] and "max_new_token" in bad["error"]
     legacy = {"/get_weight_version"}  # asked only when /model_info answers 404 (SGLang before 0.5.2x)
     used = client_endpoints()
-    assert {"/generate", "/update_weights_from_distributed", "/model_info"} <= used
+    assert {"/generate", "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update",
+            "/model_info"} <= used
     missing = used - legacy - set(out["routes"])
     assert not missing, f"SGLang {out['version']} has no route(s) {sorted(missing)}"
     assert out["routed_experts"] == codes.reshape(-1).tolist()
@@ -186,3 +196,18 @@ def test_colocated_weight_payload_loads_through_sglang_deserializer():
     assert got["dtypes"] == [str(t.dtype) for _, t in named]
     assert got["shapes"] == [list(t.shape) for _, t in named]
     assert got["sums"] == pytest.approx([float(t.double().sum()) for _, t in named], abs=0)
+
+
+def test_flattened_bucket_body_is_sglangs_and_loads_through_its_own_code():
+    """weights.tensor_format=flattened to SGLang engines: with SGLang importable (its contract environment
+    here, a trainer beside SGLang in a run), the body is SGLang's flattened_bucket exactly: fields of
+    UpdateWeightsFromTensorReqInput, a payload SGLang's restricted deserializer accepts, holding SGLang's
+    own FlattenedTensorMetadata, which SGLang's own _update_weights_from_flattened_bucket turns back
+    into the sent tensors byte for byte (bf16, FP8 e4m3 + its fp32 scale, fp32). The built-in engine's
+    reader gives the same tensors from the same payload."""
+    out = contract("flattened_bucket", {"repo": REPO})
+    assert out["metadata_class"] == "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata"
+    assert set(out["fields"]) <= set(out["sglang_fields"]), sorted(set(out["fields"]) - set(out["sglang_fields"]))
+    assert out["load_format"] == "flattened_bucket" and out["weight_version"] == "4" and out["payloads"] == 2
+    assert out["result"] == [True, "Success"]
+    assert out["sglang"] == out["sent"] and out["builtin"] == out["sent"]

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from pipeline.buffer.reader import BufferReader
+from pipeline.launch.slurm.follow import describe
+from pipeline.launch.slurm.jobctl import job_state, parse_node_events, parse_states, torn
+from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, safe_exclusions
 from pipeline.launch.slurm.templates import reference_scripts
+from pipeline.observability.status import status
 from pipeline.observability.metrics import read_metrics
 from pipeline.run import RunDir
 
@@ -73,8 +79,10 @@ def test_hetjob_script_shape():
     het = lines.index("#SBATCH hetjob")
     assert "#SBATCH --nodes=2" in lines[:het] and "#SBATCH --gpus-per-node=8" in lines[:het]
     assert "#SBATCH --nodes=1" in lines[het:] and "#SBATCH --signal=B:USR2@120" in lines
-    assert "srun --het-group=0 --nodes=2 --ntasks=16" in text and "srun --het-group=1 --nodes=1 --ntasks=8" in text
-    assert "--gpus-per-task=1" in text  # one GPU per engine
+    assert "srun --het-group=0 --nodes=2 --ntasks=16" in text
+    engines = [line for line in lines if line.startswith("#   engine_")]  # one step per engine: restarted alone
+    assert len(engines) == 8 and all("srun --het-group=1 --nodes=1 --ntasks=1" in e for e in engines)
+    assert engines[7].endswith("--index 7") and all("--gpus-per-task=1" in e and "--overlap" not in e for e in engines)
     assert "export NCCL_IB_HCA=mlx5" in text and "%j" not in text.split("#SBATCH hetjob")[1]
 
 
@@ -113,6 +121,61 @@ def test_bad_profile_file_refused(tmp_path):
     assert res.returncode == 2 and "bind 'telepathy' is not hostname, loopback or interface:NAME" in res.stderr
 
 
+def test_sacct_states_fold_into_one_job_state():
+    out = "7+0|REQUEUED\n7+1|PENDING\n7+0.batch|CANCELLED\n"
+    assert parse_states(out) == {"7+0": "REQUEUED", "7+1": "PENDING"}  # steps are not the job
+    assert job_state(parse_states(out)) == "REQUEUED"  # a requeue is not an end
+    assert job_state({"7+0": "RUNNING", "7+1": "COMPLETED"}) == "RUNNING"
+    assert job_state(parse_states("7+0|COMPLETED\n7+1|CANCELLED by 0\n")) == "CANCELLED"
+    assert job_state({"7+0": "COMPLETED", "7+1": "COMPLETED"}) == "COMPLETED"
+    assert job_state({}) == "UNKNOWN"
+    # after a node failure Slurm requeues only the hetjob component on that node: the job never starts again
+    assert torn({"7+0": "PENDING", "7+1": "COMPLETED"}) and not torn({"7+0": "PENDING", "7+1": "REQUEUED"})
+    assert not torn({"7": "PENDING"}) and not torn({"7+0": "COMPLETED", "7+1": "FAILED"})
+
+
+def test_node_events_name_the_node_that_went_down():
+    rows = parse_node_events("n2|2026-12-04T23:57:11|DOWN|chaos\n|2026-12-04T23:11:05||Cluster Registered TRES\n")
+    assert rows == [{"node": "n2", "start": "2026-12-04T23:57:11", "state": "DOWN", "reason": "chaos"}]
+
+
+def test_recovery_restarts_then_requeues_without_the_node_then_gives_up():
+    policy = RecoveryPolicy(engine_restarts=1, restarts=2, attempt=1, max_attempts=2)
+    assert policy.decide(Failure("engine_0", "n2", "exit status 137"))[0] is Action.RESTART
+    assert policy.decide(Failure("trainer", "n1", "exit status 1"))[0] is Action.RESTART
+    f = Failure("trainer", "n1", "no heartbeat for 70 s")
+    action, why = policy.decide(f)  # restarts are left, but n1 failed twice: the node is suspect
+    assert action is Action.REQUEUE and why == "second failure on node n1" and policy.exclude(f) == ["n1"]
+    f = Failure("engine_0", "n3", "exit status 137")
+    action, why = policy.decide(f)
+    assert action is Action.REQUEUE and why == "engine_0 is out of restarts (1)" and policy.exclude(f) == ["n1", "n3"]
+    last = RecoveryPolicy(engine_restarts=0, restarts=0, attempt=2, max_attempts=2)
+    action, why = last.decide(Failure("rollout", None, "exit status 1"))
+    assert action is Action.FAIL and "attempt 2/2 was the last" in why
+    assert safe_exclusions(["n1", "n3"], partition_nodes=4, needed_nodes=2) == ["n1", "n3"]
+    assert safe_exclusions(["n1", "n3"], partition_nodes=3, needed_nodes=2) == ["n1"]  # the job must still fit
+    assert safe_exclusions(["n1"], partition_nodes=0, needed_nodes=2) == []
+
+
+def test_follower_lines_and_status_table(tmp_path):
+    rd = RunDir(tmp_path)
+    events = [{"event": "start", "job": "5", "attempt": 1, "max_attempts": 4, "resume_step": 0, "nodes": {"0": "n1", "1": "n2"}},
+              {"event": "failure", "job": "5", "attempt": 1, "component": "engine_0", "node": "n2", "reason": "exit status 137",
+               "action": "restart", "why": "restart 1/3", "step": 12},
+              {"event": "interrupted", "job": "5", "attempt": 1},
+              {"event": "start", "job": "5", "attempt": 2, "max_attempts": 4, "resume_step": 60, "nodes": {"0": "n1", "1": "n3"}},
+              {"event": "end", "job": "5", "attempt": 2, "status": "completed"}]
+    for e in events:
+        rd.append_event(e)
+    assert [e["event"] for e in rd.read_events()] == [e["event"] for e in events]
+    lines = [describe(e) for e in rd.read_events()]
+    assert lines[1] == "engine_0 failed on n2 (exit status 137): restarted in place (restart 1/3)"
+    assert lines[3] == "job 5 requeued (attempt 2/4), resuming from step 60"
+    text = status(str(tmp_path))
+    assert "1        5" in text and "trainer=n1 rollout=n2" in text and "ended by Slurm" in text
+    assert "step 60       completed" in text and "engine_0   n2     12" in text
+
+
 # ---- real jobs on the local cluster -------------------------------------------------------------------
 
 LOCAL = ["configs/tiny-slurm-local.yaml", "logging.progress=false"]
@@ -135,23 +198,92 @@ def test_hetjob_grpo_run_learns(slurm, tmp_path):
     assert rows[0][2] != rows[1][2]  # trainer and rollout components on different nodes
 
 
+def submit_bg(run_dir, *overrides):
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}", *overrides,
+                             "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def pid_of(run_dir, component: str) -> int:
+    """The process of a component, from its heartbeat (the fake nodes all run on this machine)."""
+    return RunDir(run_dir).heartbeats()[component]["pid"]
+
+
+def steps_done(run_dir) -> int:
+    return len(read_metrics(str(run_dir)))
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_failed_component_ends_the_job(slurm, tmp_path):
+def test_component_out_of_restarts_ends_the_job_named(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
-                          "num_rollout=500", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 2, timeout=180)
-    engine = json.load(open(RunDir(run_dir).engine_file(0)))
-    os.kill(engine["pid"], 9)
+    p = submit_bg(run_dir, "num_rollout=500", "engine.max_restarts=0", "slurm.max_requeues=0")
+    assert wait_until(lambda: steps_done(run_dir) >= 2, timeout=180)
+    os.kill(pid_of(run_dir, "engine_0"), 9)
     out, err = p.communicate(timeout=180)
-    assert p.returncode == 1, err[-2000:]
-    assert "srun_engines" in err or "engine" in err
-    failed = RunDir(run_dir).failure()
-    assert failed["component"] == "srun_engines"
-    job = err.split("submitted ")[1].split()[0]
+    assert p.returncode == 1 and "Traceback" not in err, err[-2000:]
+    assert "engine_0 failed on n2 (exit status" in err and "giving up (engine_0 is out of restarts (0)" in err, err
+    assert "lockstep: error: job" in err and "ended FAILED" in err, err
+    assert RunDir(run_dir).failure()["component"] == "engine_0"
+    job = RunDir(run_dir).read_events()[0]["job"]
     assert wait_until(lambda: "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
                                                                 text=True).stdout, timeout=60)  # allocation released
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
+    """Inside one allocation: a killed engine is restarted alone and rejoins the weight group; a killed
+    trainer rank restarts the trainer step from the last checkpoint; every step is logged once."""
+    run_dir = tmp_path / "run"
+    p = submit_bg(run_dir, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true",
+                  "buffer.keep_consumed=false")  # the restarted trainer needs the steps since its checkpoint
+    assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
+    os.kill(pid_of(run_dir, "engine_0"), 9)
+    assert wait_until(lambda: steps_done(run_dir) >= 9, timeout=240)
+    os.kill(pid_of(run_dir, "trainer_0"), 9)
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "engine_0 failed on n2 (exit status" in err and "restarted in place (restart 1/3)" in err, err
+    assert "trainer failed on n1 (exit status" in err and "restarted in place (restart 1/2), resuming from step 8" in err, err
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(16))
+    events = RunDir(run_dir).read_events()
+    assert [e["event"] for e in events] == ["start", "failure", "failure", "end"]  # one attempt: no requeue
+    assert BufferReader(RunDir(run_dir).buffer).committed_steps() == [15]  # consumed steps collected after all
+    assert max(r["train/rollout_logprob_max_abs_diff"] for r in read_metrics(str(run_dir))) == 0.0  # engines caught up
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_unrecoverable_failure_requeues_the_job_without_its_node(slurm, tmp_path):
+    """Out of restarts in place: the driver requeues its own job, excluding the node the failure happened
+    on; the next attempt runs elsewhere and resumes from the last checkpoint."""
+    run_dir = tmp_path / "run"
+    p = submit_bg(run_dir, "num_rollout=14", "checkpoint.save_interval=4", "engine.max_restarts=0", "slurm.max_requeues=1")
+    assert wait_until(lambda: steps_done(run_dir) >= 5, timeout=180)
+    os.kill(pid_of(run_dir, "engine_0"), 9)
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "engine_0 failed on n2 (exit status 137): requeueing the job (engine_0 is out of restarts (0))" in err, err
+    assert "put back in the queue without n2" in err and "requeued (attempt 2/2), resuming from step 4" in err, err
+    starts = [e for e in RunDir(run_dir).read_events() if e["event"] == "start"]
+    assert [s["attempt"] for s in starts] == [1, 2] and starts[0]["nodes"]["1"] == "n2" and starts[1]["nodes"]["1"] != "n2"
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(14))
+    assert "requeued by the driver: engine_0 failed on n2 (exit status 137); excluded n2" in lockstep("status", str(run_dir)).stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    p = submit_bg(run_dir, "num_rollout=12", "faults.heartbeat_interval_s=1", "faults.heartbeat_timeout_s=5")
+    assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
+    os.kill(pid_of(run_dir, "engine_0"), signal.SIGSTOP)  # alive, silent: what a hung GPU looks like from outside
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0, err[-3000:]
+    assert "engine_0 failed on n2 (no heartbeat from engine_0 for" in err and "restarted in place" in err, err
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(12))
+    # one failure, no other: components that finished their work (the rollout manager) stop beating quietly
+    assert [e["event"] for e in RunDir(run_dir).read_events()] == ["start", "failure", "end"]
 
 
 @pytest.mark.slurm
@@ -215,3 +347,34 @@ modes: [colocated]
     assert f'"{job}_0": "COMPLETED"' in res.stderr and f'"{job}_1": "COMPLETED"' in res.stderr
     assert "| n1-tiny-moe-colocated | 1 | tiny-moe | colocated | 4 |" in res.stdout
     assert os.path.getsize(tmp_path / "nightly" / "scaling.png") > 5000
+
+
+def sacct_states(job: str) -> list[str]:
+    return subprocess.run(["sacct", "-j", job, "-D", "-X", "-n", "-o", "State", "--parsable2"], capture_output=True,
+                          text=True).stdout.split()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_wait_follows_an_admin_requeue_to_the_end(slurm, tmp_path):
+    """The bug of issue 24: `scontrol requeue` made `--wait` print a submitit traceback and exit 1 while
+    the job went on. It follows the job across the requeue and returns the job's final status."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}", "num_rollout=16",
+                          "checkpoint.save_interval=4", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 6, timeout=240)
+    job = RunDir(run_dir).read_events()[0]["job"]
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    resumed = RunDir(run_dir).read_events()[-2]["resume_step"]  # the second start (then the end)
+    assert resumed in (4, 8, 12), resumed  # the last checkpoint before the requeue
+    assert f"job {job} requeued (attempt 2/4), resuming from step {resumed}" in err, err
+    assert f"job {job} COMPLETED" in err
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(16))  # every step once
+    states = sacct_states(job)
+    assert "REQUEUED" in states and states[-1] == "COMPLETED", states
+    res = lockstep("status", str(run_dir))
+    assert res.returncode == 0 and "ended by Slurm (requeue, cancel or node failure)" in res.stdout, res.stdout
+    assert f"step {resumed:<8} completed" in res.stdout and "last checkpoint: step 16" in res.stdout, res.stdout

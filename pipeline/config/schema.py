@@ -131,8 +131,16 @@ class RolloutConfig:
     """fully_async: how many versions rollouts may run ahead; older samples are dropped by the trainer."""
     tito_checks: bool = True
     """Report rollout/tito_* (re-tokenisation drift, alternate EOS, special tokens in responses)."""
+    generate_fn: str = "pipeline.rollout.single_turn:generate"
+    """The rollout function, `module:function` (sync or async): (sample, engine) -> Trajectory, one
+    sample's turns (multi-turn, tools, environments; README "Multi-turn and agentic rollouts"). The
+    default is single-turn (Miles: --custom-generate-function-path)."""
 
     def __post_init__(self):
+        module, sep, attr = self.generate_fn.partition(":")
+        if not (sep and module and attr):
+            raise ConfigError(f"rollout.generate_fn {self.generate_fn!r}: write it as module:function"
+                              " (e.g. pipeline.rollout.envs.calculator:generate)")
         _positive(
             "rollout",
             rollout_batch_size=self.rollout_batch_size,
@@ -221,11 +229,25 @@ class LocalEngineConfig(EngineCommon):
     speculative decoding or routing records, which run step by step). Off by default: on the H200 its
     first version ran at 0.67-1.06x of step-by-step decode; the pinned copies since then have not been
     measured on a GPU yet (BENCHMARKS.md, bench/engine_bench.py --overlap)."""
+    prefix_cache_tokens: int = 0
+    """Prefix cache (SGLang's radix cache, keyed by token ids): a finished request's KV is kept, and a request
+    that starts with the same ids prefills only the rest, so a multi-turn trajectory's next turn (sent to
+    the same engine: sticky sessions) recomputes only what the environment appended. Up to this many
+    tokens are kept (least recently used go first; flushed with every weight update); 0: off. Reported
+    as rollout/prefix_cache_hit_rate. Logprobs equal those without it, bit for bit, in true on-policy mode."""
     sampling_backend: Literal["triton", "pytorch"] = "triton"
     """How a GPU engine samples (SGLang --sampling-backend; there flashinfer | pytorch): triton = one fused
     Triton pass over the logits for batches without top-p/top-k (1.2-2.2x decode at batch 64-256 on the
     H200, bench/engine_bench.py --fused-sampling); pytorch = the torch path. Both give the same tokens;
     CPUs always take the torch path."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prefix_cache_tokens < 0:
+            raise ConfigError(f"engine.prefix_cache_tokens must be >= 0 (got {self.prefix_cache_tokens}; 0: off)")
+        if self.prefix_cache_tokens and self.speculative_algorithm:
+            raise ConfigError("engine.prefix_cache_tokens and engine.speculative_algorithm exclude each other in the"
+                              " built-in engine (the cache does not hold the draft head's KV): set one of them off")
 
 
 @dataclass
@@ -493,6 +515,14 @@ class WeightsConfig:
     weights while training stays in model.dtype: use TIS (algo.off_policy_correction=tis) and watch
     train/rollout_logprob_abs_diff."""
 
+    tensor_format: Literal["flattened", "per_tensor"] = "flattened"
+    """type=tensor: how a bucket's tensors are shared with the engines. flattened: one handle per bucket
+    (SGLang's load_format "flattened_bucket": one flat uint8 tensor plus each tensor's name, dtype, shape
+    and byte range); per_tensor: one handle per tensor (torch's CUDA IPC makes a handle, an event and a
+    ref-counter entry for each: ~3,500 per version of a 128-expert MoE). SGLang engines get flattened
+    only when the trainer can import SGLang (the payload names SGLang's metadata class), else
+    per_tensor, said once in the log."""
+
     def __post_init__(self):
         _positive("weights", bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
 
@@ -600,8 +630,9 @@ class BufferConfig:
     on_corrupt: Literal["error", "skip"] = "error"
     """A corrupt or truncated shard: stop the run, or skip that part (logged and counted)."""
     keep_consumed: bool = True
-    """Keep rollout steps on disk after training on them; false deletes them once trained on (the
-    newest committed step always stays: it carries the rollout side's state)."""
+    """Keep rollout steps on disk after training on them; false deletes them once a checkpoint is past
+    them (a resumed or restarted trainer re-trains the steps since its checkpoint; the newest committed
+    step always stays: it carries the rollout side's state)."""
     compression: Literal["gzip", "lzf", "none"] = "none"
     """HDF5 filter for token, mask and routing columns (shuffle + this). none writes at the filesystem's
     raw speed; gzip shrinks routing traces 5x (0.19 B/slot) at ~100 MB/s per core (BENCHMARKS.md)."""
@@ -721,7 +752,14 @@ class SlurmConfig:
     signal_delay_s: int = 120
     """Slurm sends USR2 this long before the time limit (or at pre-emption): checkpoint and requeue."""
     max_requeues: int = 3
-    """Requeues after time-outs before the job is left failed."""
+    """Requeues of the job before it is left failed: after pre-emption or the time limit (checkpoint,
+    requeue), and after a failure the driver cannot recover inside the allocation (it requeues the job
+    itself, excluding the node the failure happened on; a node failure is requeued by Slurm). The job
+    runs at most 1 + max_requeues times."""
+    max_restarts: int = 2
+    """Inside one job attempt: restarts in place of the trainer step (all ranks, from the last
+    checkpoint) and of the rollout manager, each; one more failure, or a second failure on the same
+    node, requeues the job without that node. Engines restart in place under engine.max_restarts."""
     checkpoint_timeout_s: float = 300.0
     """How long a signalled job waits for the trainer's checkpoint before stopping the components."""
     submit_dir: str | None = None
@@ -729,6 +767,28 @@ class SlurmConfig:
 
     def __post_init__(self):
         _positive("slurm", time_min=self.time_min, signal_delay_s=self.signal_delay_s)
+        if self.max_requeues < 0 or self.max_restarts < 0:
+            raise ConfigError(f"slurm.max_requeues ({self.max_requeues}) and slurm.max_restarts ({self.max_restarts})"
+                              " must be >= 0 (0: no requeue / no restart in place)")
+
+
+@dataclass
+class FaultsConfig:
+    """Hang detection (used by the Slurm driver, which restarts or requeues what stopped beating)."""
+
+    heartbeat_interval_s: float = 2.0
+    """Every process rewrites run_dir/heartbeat/<component>.json this often."""
+    heartbeat_timeout_s: float = 60.0
+    """A process whose heartbeat is older than this is treated as dead (killed, then restarted in place
+    or the job requeued). Collectives have their own timeout: train.dist_timeout_s."""
+
+    def __post_init__(self):
+        _positive("faults", heartbeat_interval_s=self.heartbeat_interval_s,
+                  heartbeat_timeout_s=self.heartbeat_timeout_s)
+        if self.heartbeat_timeout_s < 3 * self.heartbeat_interval_s:
+            raise ConfigError(f"faults.heartbeat_timeout_s ({self.heartbeat_timeout_s}) < 3 x heartbeat_interval_s"
+                              f" ({self.heartbeat_interval_s}): a slow file system would look like a hang;"
+                              " raise the timeout or beat more often")
 
 
 GROUP_ESTIMATORS = ("grpo", "gspo", "dr_grpo", "reinforce_plus_plus_baseline")
@@ -767,6 +827,8 @@ class RunConfig:
     """Evaluation on held-out prompts between steps (and `lockstep eval`)."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """Submission to Slurm (`lockstep submit`); ignored by `lockstep run`."""
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    """Hang detection."""
 
     def __post_init__(self):
         _positive("", num_rollout=self.num_rollout)

@@ -17,6 +17,7 @@ import signal
 import sys
 
 from pipeline.run import RunDir, bind_address, free_port
+from pipeline.run.heartbeat import Heartbeat
 
 
 def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
@@ -45,6 +46,8 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
     argv += ["--kernel-backend", cfg.determinism.kernel_backend, "--sampling-backend", e.sampling_backend]
     if e.overlap_schedule:
         argv.append("--enable-overlap-schedule")
+    if e.prefix_cache_tokens:
+        argv += ["--prefix-cache-tokens", str(e.prefix_cache_tokens)]
     argv += ["--mtp-num-layers", str(cfg.model.mtp_num_layers)]
     if e.speculative_algorithm:
         argv += ["--speculative-algorithm", e.speculative_algorithm, "--speculative-num-steps", str(e.speculative_num_steps)]
@@ -89,9 +92,13 @@ def main(argv=None) -> None:
                         format=f"%(asctime)s {args.role} %(name)s %(levelname)s %(message)s")
     from pipeline.config import load_resolved
 
+    cfg = load_resolved(args.run_dir)
+    if args.role == "trainer":
+        trainer_env_from_slurm(args.run_dir)
+    index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", 0))
+    heartbeat = Heartbeat(RunDir(args.run_dir), component_name(args.role, index, args.rank),
+                          cfg.faults.heartbeat_interval_s).start()
     if args.role == "engine":
-        cfg = load_resolved(args.run_dir)
-        index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", 0))
         if cfg.engine.type == "sglang":
             from pipeline.rollout import sglang_server
 
@@ -106,7 +113,6 @@ def main(argv=None) -> None:
 
         manager.main(args.run_dir, args.rank, args.num_producers)
     else:
-        cfg = load_resolved(args.run_dir)
         if cfg.train.expandable_segments:  # read by torch's allocator at its first use
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if cfg.sft:
@@ -114,8 +120,17 @@ def main(argv=None) -> None:
         else:
             from pipeline.trainer.loop import main as trainer_main
 
-        trainer_env_from_slurm(args.run_dir)
         trainer_main(args.run_dir)
+    heartbeat.end()  # done (an error never gets here: the process exits with it, its heartbeat goes stale)
+
+
+def component_name(role: str, index: int, rank: int) -> str:
+    """The name a process goes by in logs/ and heartbeat/: engine_<i>, rollout[_<r>], trainer_<rank>."""
+    if role == "engine":
+        return f"engine_{index}"
+    if role == "rollout":
+        return "rollout" if rank == 0 else f"rollout_{rank}"
+    return f"trainer_{os.environ.get('RANK', 0)}"
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pipeline.run import RunDir, free_port
 from pipeline.utils.proc import die_with_parent
 
 log = logging.getLogger("lockstep.launch")
+RESTART_MARK = "=== lockstep: restarted"
 
 
 def tail(path: str, lines: int = 15) -> str:
@@ -80,11 +81,17 @@ class Supervisor:
             if rc is not None and rc != 0 and p.restarts_left > 0 and not self.stopping:
                 p.restarts_left -= 1
                 log.warning("%s died (exit %s); restarting it (%d restarts left)", p.name, rc, p.restarts_left)
-                with open(p.log_path, "a") as f:
-                    f.write(f"\n=== lockstep: restarted after exit status {rc} ===\n")
-                p.popen = self._spawn(p.name, p.cmd, p.env)
+                self.restart(p, f"exit status {rc}")
                 restarted.append(p.name)
         return restarted
+
+    def restart(self, p: Proc, why: str) -> None:
+        """Start an exited process again with its command and environment; its log continues after a
+        marker line (RESTART_MARK)."""
+        assert p.popen.poll() is not None, f"{p.name} is still running"
+        with open(p.log_path, "a") as f:
+            f.write(f"\n{RESTART_MARK} after {why} ===\n")
+        p.popen = self._spawn(p.name, p.cmd, p.env)
 
     def check(self) -> None:
         """Restart what may be restarted; raise ComponentFailed for the first other process that exited

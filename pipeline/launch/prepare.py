@@ -43,6 +43,9 @@ def check_inputs(cfg: RunConfig) -> None:
     for name, ds in cfg.eval.datasets.items():
         if not os.path.isfile(ds.path):
             raise UserError(f"eval.datasets.{name} {ds.path!r} not found: point it at a JSONL file of held-out prompts")
+    from pipeline.rollout.functions import resolve_generate_fn
+
+    resolve_generate_fn(cfg.rollout.generate_fn)  # importable, and a function (one line if not)
     from pipeline.config.memory import model_args
     from pipeline.config.validate import validate
 

@@ -9,11 +9,8 @@ metrics.jsonl. The resolved config is a text summary at step 0, written once: a 
 
 from __future__ import annotations
 
-import os
-
 from pipeline.observability.base import scalars
 from pipeline.run import RunDir
-
 
 
 def tensorboard_dir(run_dir: str) -> str:

@@ -15,11 +15,12 @@ import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.rollout import protocol
+from pipeline.rollout import protocol, tensor_bucket
 from pipeline.rollout.protocol import MemoryAction, MemoryTag
 
 
@@ -44,6 +45,7 @@ class Generation:
     routed_experts: np.ndarray | None = None  # [prompt+response-1, moe_layers, top_k]
     engine_url: str = ""
     spec_verify_ct: int = 0  # speculative decoding: verify forwards that produced this response
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
 
 def decode_routed_experts(b64: str, num_moe_layers: int, top_k: int) -> np.ndarray:
@@ -146,6 +148,7 @@ class EngineClient:
                 routed_experts=routed,
                 engine_url=self.url,
                 spec_verify_ct=int(meta.get("spec_verify_ct") or 0),
+                cached_tokens=int(meta.get("cached_tokens") or 0),
             ))
         return gens
 
@@ -174,11 +177,36 @@ class EngineClient:
                 self._old_api = True
         return protocol.version_from_wire(self.request("GET", "/get_weight_version", timeout_s=timeout_s).get("weight_version"))
 
+    def begin_weight_update(self, selector: protocol.WeightSelector = protocol.WeightSelector.ALL,
+                            timeout_s: float | None = None) -> dict:
+        """Open a weight-update session: SGLang (and the built-in engine) take /update_weights_from_tensor
+        and /update_weights_from_distributed only inside one, and refuse a second while one is open."""
+        return self.checked("/begin_weight_update", protocol.begin_weight_update_body(selector), timeout_s)
+
+    def end_weight_update(self, timeout_s: float | None = None) -> dict:
+        """Close the open weight-update session (after a version's last bucket)."""
+        return self.checked("/end_weight_update", protocol.end_weight_update_body(), timeout_s)
+
+    @contextmanager
+    def weight_update_session(self, selector: protocol.WeightSelector = protocol.WeightSelector.ALL):
+        """begin_weight_update(), the block, end_weight_update() (also when the block raises)."""
+        self.begin_weight_update(selector)
+        try:
+            yield self
+        finally:
+            self.end_weight_update()
+
     def update_weights_from_tensor(self, named, version: int | None = None, tp_size: int = 1,
-                                   timeout_s: float | None = None) -> dict:
-        """Colocated engines (same node): tensors travel as shared-memory / CUDA IPC handles."""
-        return self.checked("/update_weights_from_tensor", protocol.update_tensor_body(named, tp_size, version),
-                            timeout_s)
+                                   timeout_s: float | None = None, flattened: bool = False) -> dict:
+        """Colocated engines (same node), inside a weight-update session: tensors travel as shared-memory /
+        CUDA IPC handles, one per tensor, or (flattened) one per request: SGLang's flattened_bucket with Lockstep's metadata class,
+        which the built-in engine reads (weights/tensor.py picks SGLang's own class for SGLang)."""
+        if not flattened:
+            return self.checked("/update_weights_from_tensor", protocol.update_tensor_body(named, tp_size, version),
+                                timeout_s)
+        flat, metadata = tensor_bucket.flatten(list(named))  # alive until the engine has answered
+        return self.checked("/update_weights_from_tensor",
+                            protocol.update_flattened_bucket_body(flat, metadata, tp_size, version), timeout_s)
 
     def update_weights_from_disk(self, model_path: str, version: int | None = None,
                                  timeout_s: float | None = None) -> dict:

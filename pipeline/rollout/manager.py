@@ -29,13 +29,17 @@ from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
 from pipeline.models.hf_io import read_model_args
 from pipeline.models.tokenizer import load_tokenizer
-from pipeline.rollout import protocol
-from pipeline.rollout.client import EnginePool, Generation
+from pipeline.rollout.base import RolloutSample, TurnAborted
+from pipeline.rollout.client import EnginePool
 from pipeline.rollout.data import Prompt, PromptDataset
 from pipeline.rollout.evaluation import Evaluator
 from pipeline.rollout.filters import resolve_filter
+from pipeline.rollout.functions import resolve_generate_fn, run_generate_fn
+from pipeline.rollout.handle import PoolHandle
 from pipeline.rollout.rewards import resolve_reward, score
-from pipeline.rollout.tito import check_sample, token_hash
+from pipeline.rollout.tito import check_turns, compare_calls, token_hash
+from pipeline.rollout.trajectory import (Trajectory, assemble_routing, calls_from_record, generated_mask,
+                                         offpolicy_mask)
 from pipeline.run import RunDir
 
 log = logging.getLogger("lockstep.rollout")
@@ -56,6 +60,20 @@ def undefer(s: Sample) -> Sample:
         return s
     meta = dict(s.metadata)
     return replace(s, status=SampleStatus.from_label(meta.pop("final_status", "completed")), metadata=meta)
+
+
+def mask_older(s: Sample, version: int) -> Sample:
+    """Zero the loss mask of the turns a sample carried over from weights older than the step's `version`
+    (a continued partial rollout's earlier turns, a deferred sample's whole response): off-policy tokens
+    do not count (rollout.mask_offpolicy_in_partial_rollout), so true on-policy holds for the rest."""
+    p = len(s.prompt_ids)
+    old = [(a, b) for a, b, v, _ in s.metadata.get("turns", ()) if v < version]
+    if not old:
+        return s
+    mask = list(s.loss_mask)
+    for a, b in old:
+        mask[a - p:b - p] = [0] * (b - a)
+    return replace(s, loss_mask=mask)
 
 
 def sampling_seed(rollout_seed: int, step: int, group: int, sample: int) -> int:
@@ -89,6 +107,7 @@ class RolloutManager:
         log.info("%s", self.dataset.stats.report())
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)
+        self.generate_fn = resolve_generate_fn(cfg.rollout.generate_fn)
         urls = self.rundir.engine_urls(cfg.engine.num_engines, timeout_s=cfg.engine.startup_timeout_s)
         key = self.rundir.token()
         self.router = None
@@ -106,6 +125,7 @@ class RolloutManager:
                                   opts=WriteOptions.from_config(cfg.buffer))
         self.reader = BufferReader(self.rundir.buffer)
         self.executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollout")
+        self.sample_executor = ThreadPoolExecutor(max_workers=256, thread_name_prefix="sample")  # one per trajectory
         self.record_routing = self.args.is_moe and (cfg.determinism.routing_replay or cfg.determinism.record_routing)
         self.next_draw = producer_rank  # producer r draws r, r + P, r + 2P, ...
         self.pending: list[Group] = []
@@ -222,6 +242,8 @@ class RolloutManager:
                     self.pending.append(g)
                 elif self.keep(g.samples):
                     g.samples = [undefer(s) for s in g.samples]
+                    if r.mask_offpolicy_in_partial_rollout:
+                        g.samples = [mask_older(s, version) for s in g.samples]
                     kept.append(g)
                 else:
                     filtered_draws.append(g.draw)
@@ -246,63 +268,107 @@ class RolloutManager:
         return Group(group_id=draw, draw=draw, prompt=self.dataset.prompt_at(draw))
 
     def run_group(self, step: int, g: Group, version: int) -> Group:
-        """Generate (or continue) the group's samples and score the finished ones."""
-        cfg = self.cfg.rollout
-        n = cfg.n_samples_per_prompt
+        """Generate (or continue) the group's samples, each by the rollout function, and score them."""
+        n = self.cfg.rollout.n_samples_per_prompt
         if not g.samples:
             g.samples = [None] * n
         todo = [i for i in range(n) if g.samples[i] is None or g.samples[i].status == SampleStatus.ABORTED]
-        inputs, params = [], []
-        for i in todo:
-            prior = g.samples[i]
-            done_len = len(prior.response_ids) if prior else 0
-            inputs.append(list(g.prompt.input_ids) + (list(prior.response_ids) if prior else []))
-            params.append(protocol.sampling_params(
-                max_new_tokens=cfg.rollout_max_response_len - done_len, temperature=cfg.rollout_temperature,
-                top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
-                seed=sampling_seed(cfg.rollout_seed, step, g.group_id, i)))
-        moe_shape = (len(self.args.moe_layers), self.args.num_experts_per_tok) if self.record_routing else None
-        gens = self.pool.generate(inputs, params, min_version=version, return_logprob=True,
-                                  return_routed_experts=self.record_routing,
-                                  moe_shape=moe_shape, rid=[f"s{step}-g{g.group_id}-{i}" for i in todo],
-                                  session=f"g{g.group_id}") if todo else []
-        for i, gen in zip(todo, gens):
-            g.samples[i] = self.to_sample(g, i, gen, g.samples[i])
+        futures = [self.sample_executor.submit(self.run_sample, step, g, i, version) for i in todo]
+        for i, f in zip(todo, futures):
+            g.samples[i] = f.result()
         return g
 
-    def to_sample(self, g: Group, i: int, gen: Generation, prior: Sample | None) -> Sample:
+    def run_sample(self, step: int, g: Group, i: int, version: int) -> Sample:
+        """One sample through rollout.generate_fn; an aborted turn leaves a partial sample that resumes later."""
         cfg = self.cfg.rollout
-        response = (list(prior.response_ids) if prior else []) + list(gen.output_ids)
-        logprobs = (list(prior.logprobs) if prior else []) + list(gen.logprobs)
-        version = gen.weight_version if gen.weight_version is not None else 0
-        mask = [1] * len(response)
+        prior = g.samples[i]
+        replay = None
         if prior is not None:
-            old_mask = list(prior.loss_mask)
-            if cfg.mask_offpolicy_in_partial_rollout and prior.weight_version < version:
-                old_mask = [0] * len(old_mask)  # generated by an older policy
-            mask = old_mask + [1] * len(gen.output_ids)
-            version = min(version, prior.weight_version)
-        status = FINISH_TO_STATUS.get(gen.finish_reason, SampleStatus.COMPLETED)
-        meta = dict(g.prompt.metadata, draw=g.draw)
-        meta["token_hash"] = token_hash(list(g.prompt.input_ids) + response)
-        if gen.spec_verify_ct:  # tokens after the prefill's first came from this many verify forwards
-            meta["spec"] = [len(gen.output_ids) - 1, gen.spec_verify_ct]
-        reward, comps = 0.0, {}
+            replay = calls_from_record(list(prior.prompt_ids) + list(prior.response_ids), len(prior.prompt_ids),
+                                       list(prior.logprobs), prior.routed_experts, prior.metadata.get("turns", []))
+        moe_shape = (len(self.args.moe_layers), self.args.num_experts_per_tok) if self.record_routing else None
+        handle = PoolHandle(self.pool, session=f"g{g.group_id}", rid=f"s{step}-g{g.group_id}-{i}",
+                            temperature=cfg.rollout_temperature, top_p=cfg.rollout_top_p, top_k=cfg.rollout_top_k,
+                            seed=sampling_seed(cfg.rollout_seed, step, g.group_id, i), min_version=version,
+                            prompt_len=len(g.prompt.input_ids), max_response_len=cfg.rollout_max_response_len,
+                            moe_shape=moe_shape, replay=replay)
+        sample = RolloutSample(prompt_ids=list(g.prompt.input_ids), label=g.prompt.label,
+                               metadata=dict(g.prompt.metadata), tokenizer=self.tokenizer, group_id=g.group_id,
+                               sample_idx=i, prompt_text=g.prompt.text, max_response_len=cfg.rollout_max_response_len)
+        try:
+            traj = run_generate_fn(self.generate_fn, sample, handle)
+        except TurnAborted:
+            return self.partial_sample(g, i, handle)
+        return self.to_sample(g, i, traj, handle)
+
+    def partial_sample(self, g: Group, i: int, handle: PoolHandle) -> Sample:
+        """An aborted trajectory as far as it got: the cut call's input and partial output, its calls recorded."""
+        last = handle.calls[-1]
+        tokens = last.input_ids + last.output_ids
+        p = len(g.prompt.input_ids)
+        traj = Trajectory(prompt_len=p, tokens=tokens, finish_reason="abort")
+        gen = generated_mask(handle.calls, len(tokens))
+        traj.loss_mask = gen[p:].tolist()
+        traj.logprobs = [0.0] * (len(tokens) - p)
+        for c in handle.calls:
+            a, b = c.span
+            traj.logprobs[a - p: b - p] = c.logprobs
+        return self.to_sample(g, i, traj, handle)
+
+    def to_sample(self, g: Group, i: int, traj: Trajectory, handle: PoolHandle) -> Sample:
+        cfg = self.cfg.rollout
+        calls, p = handle.calls, traj.prompt_len
+        assert p == len(g.prompt.input_ids), "a trajectory starts with its sample's prompt (Trajectory.start)"
+        over = len(traj.tokens) - p - cfg.rollout_max_response_len
+        if over > 0:
+            # Only environment ids appended after the last turn can be past the budget (the handle ends a
+            # turn there): cut them, so the trainer's max_tokens_per_gpu holds. Nothing trains on them.
+            assert not any(traj.loss_mask[-over:]), "generated tokens past rollout_max_response_len"
+            del traj.tokens[-over:], traj.loss_mask[-over:], traj.logprobs[-over:]
+            traj.metadata["env_tokens_cut"] = over
+        response = traj.response_ids
+        mask = list(traj.loss_mask)
+        if cfg.mask_offpolicy_in_partial_rollout:
+            mask = offpolicy_mask(calls, mask, p)  # tokens generated by an older policy do not count
+        version = min((c.weight_version for c in calls), default=0)
+        status = FINISH_TO_STATUS.get(traj.finish_reason, SampleStatus.COMPLETED)
+        meta = dict(g.prompt.metadata, draw=g.draw, **traj.metadata)
+        meta["token_hash"] = token_hash(traj.tokens)
+        meta["turns"] = [c.record() for c in calls]  # [start, end, weight version, finish] per engine call
+        meta["cached_tokens"] = sum(c.cached_tokens for c in calls if not c.replayed)
+        meta["sent_tokens"] = sum(len(c.input_ids) for c in calls if not c.replayed)
+        if handle.replay_diverged:
+            meta["replay_diverged"] = True
+        check = compare_calls(traj.tokens, p, traj.loss_mask, traj.logprobs, calls)
+        if check.total:
+            meta["tito_turn_mismatch"] = check.total
+            meta["tito_turns"] = {"input": check.input_mismatches, "output": check.output_mismatches,
+                                  "mask": check.mask_mismatches, "logprob": check.logprob_mismatches}
+        spec = [c for c in calls if not c.replayed and c.spec_verify_ct]
+        if spec:  # tokens after each prefill's first came from this many verify forwards
+            meta["spec"] = [sum(len(c.output_ids) - 1 for c in spec), sum(c.spec_verify_ct for c in spec)]
+        reward, comps = 0.0, dict(traj.reward_components)
         if status != SampleStatus.ABORTED:
-            # The reward sees text; training sees the token ids exactly as generated (TITO).
-            text = self.tokenizer.decode(response, skip_special_tokens=True)
-            reward, comps, error = score(self.reward_fn, text, g.prompt.label, g.prompt.metadata)
-            if error:
-                status, meta["reward_error"] = SampleStatus.FAILED, error
+            if traj.reward is not None:
+                reward = float(traj.reward)
+            else:
+                # The reward sees text; training sees the token ids exactly as generated (TITO).
+                text = self.tokenizer.decode(response, skip_special_tokens=True)
+                reward, comps, error = score(self.reward_fn, text, g.prompt.label, g.prompt.metadata)
+                if error:
+                    status, meta["reward_error"] = SampleStatus.FAILED, error
             if cfg.tito_checks:
-                report = check_sample(g.prompt.input_ids, response, self.tokenizer, [self.tokenizer.eos_token_id],
-                                      g.prompt.text)
+                report = check_turns(g.prompt.input_ids, response, [c.span for c in calls], self.tokenizer,
+                                     [self.tokenizer.eos_token_id], g.prompt.text)
                 if report.issues:
                     meta["tito"] = report.issues
+        routed = None
+        if self.record_routing:
+            routed = assemble_routing(calls, len(traj.tokens), self.args.num_experts_per_tok)
         return Sample(group_id=g.group_id, sample_idx=i, prompt_idx=g.prompt.index, prompt_ids=list(g.prompt.input_ids),
-                      response_ids=response, logprobs=logprobs, reward=reward, reward_components=comps,
+                      response_ids=response, logprobs=list(traj.logprobs), reward=reward, reward_components=comps,
                       weight_version=version, status=status, metadata=meta, loss_mask=mask,
-                      routed_experts=gen.routed_experts)
+                      routed_experts=routed)
 
     # ---- commit ----------------------------------------------------------------------------------------
     def commit(self, step: int, version: int, kept: list[Group], filtered: list[int], dropped: list[int],
@@ -342,6 +408,9 @@ class RolloutManager:
             **{f"rollout/tito_{kind}_frac": sum(kind in s.metadata.get("tito", ()) for s in samples) / n
                for kind in ("retokenize_drift", "alternate_eos", "special_token_in_response")},
             **spec_summary(samples),
+            **turn_summary(samples),
+            **{f"rollout/reward/{k}": float(v[v == v].mean()) for k, v in batch.reward_components.items()
+               if len(batch) and (v == v).any()},
         }
 
 
@@ -353,6 +422,23 @@ def main(run_dir: str, producer_rank: int = 0, num_producers: int = 1) -> None:
     finally:
         if manager.router is not None:
             manager.router.stop()
+
+
+def turn_summary(samples: list[Sample]) -> dict:
+    """Multi-turn: engine calls per sample, TITO mismatches across turns (expected 0), prefix-cache hits."""
+    n = max(len(samples), 1)
+    sent = sum(s.metadata.get("sent_tokens", 0) for s in samples)
+    cached = sum(s.metadata.get("cached_tokens", 0) for s in samples)
+    return {
+        "rollout/turns_mean": sum(len(s.metadata.get("turns", ())) for s in samples) / n,
+        "rollout/tito_turn_mismatch": int(sum(s.metadata.get("tito_turn_mismatch", 0) for s in samples)),
+        # samples whose ids drifted from what the engine consumed or produced (a decode and re-encode)
+        "rollout/tito_turn_drift_frac": sum(any(s.metadata.get("tito_turns", {}).get(k) for k in ("input", "output"))
+                                            for s in samples) / n,
+        "rollout/prefix_cache_hit_rate": cached / sent if sent else 0.0,
+        "rollout/masked_tokens_frac": (sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples)
+                                       / max(sum(len(s.loss_mask) for s in samples), 1)),
+    }
 
 
 def spec_summary(samples: list[Sample]) -> dict:

@@ -18,6 +18,8 @@ from enum import StrEnum
 
 import torch
 
+from pipeline.rollout import tensor_bucket
+
 # Lockstep-only fields, per endpoint (read by the built-in engine, ignored by SGLang).
 EXTENSIONS: dict[str, frozenset[str]] = {
     "/init_weights_update_group": frozenset({"timeout_s"}),
@@ -83,6 +85,34 @@ def init_group_body(*, master_address: str, master_port: int, rank_offset: int, 
             "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s}
 
 
+class WeightSelector(StrEnum):
+    """Which model runners a weight-update session covers (SGLang's `selector`: the target model, the
+    speculative draft model, or both)."""
+
+    TARGET = "target"
+    DRAFT = "draft"
+    ALL = "all"
+
+
+# SGLang's answers (scheduler_components/weight_updater.py) when the session protocol is broken; the
+# built-in engine gives the same ones. Since SGLang 0.5.2x /update_weights_from_tensor and
+# /update_weights_from_distributed run only inside a session: POST /begin_weight_update before a
+# version's first bucket, /end_weight_update after its last (/update_weights_from_disk needs none).
+SESSION_REQUIRED = "{endpoint} must run between begin_weight_update() and end_weight_update()"
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SESSION_NOT_OPEN = "no weight-update session is open; call begin_weight_update() first"
+
+
+def begin_weight_update_body(selector: WeightSelector = WeightSelector.ALL) -> dict:
+    """/begin_weight_update: open the session the next version's buckets run in."""
+    return {"selector": WeightSelector(selector).value}
+
+
+def end_weight_update_body() -> dict:
+    """/end_weight_update: close the open session (SGLang runs post_load_weights if nothing was loaded)."""
+    return {}
+
+
 def update_distributed_body(bucket: Sequence[tuple[str, torch.Tensor]], group_name: str,
                             version: int | None) -> dict:
     """Metadata of one broadcast bucket; the bucket that carries `weight_version` is the last one, the
@@ -101,10 +131,11 @@ def update_disk_body(model_path: str, version: int | None = None) -> dict:
     return body
 
 
-def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named) -> str:
     """SGLang's MultiprocessingSerializer format: torch's ForkingPickler (CUDA tensors travel as IPC
-    handles, CPU tensors as named shared memory), base64-encoded. The receiving process
-    must run on the same node, and the tensors must stay alive until it has answered."""
+    handles, CPU tensors as named shared memory), base64-encoded. `named`: a list of (name, tensor)
+    pairs, or a flattened bucket's dict (tensor_bucket.py). The receiving process must run on the same
+    node, and the tensors must stay alive until it has answered."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
@@ -115,7 +146,10 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
         buf = io.BytesIO()
-        ForkingPickler(buf).dump([(name, t.detach()) for name, t in named])
+        if isinstance(named, dict):
+            ForkingPickler(buf).dump(named)
+        else:
+            ForkingPickler(buf).dump([(name, t.detach()) for name, t in named])
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
     return base64.b64encode(buf.getvalue()).decode("ascii")
@@ -123,10 +157,24 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
 
 def update_tensor_body(named: Sequence[tuple[str, torch.Tensor]], tp_size: int = 1, version: int | None = None,
                        flush_cache: bool = True) -> dict:
-    """/update_weights_from_tensor (colocated engines): one serialized payload per TP rank of the engine
-    (here every rank gets the full tensors; the engine's loader shards them)."""
-    payload = serialize_named_tensors(named)
+    """/update_weights_from_tensor (colocated engines), one handle per tensor: one serialized payload
+    per TP rank of the engine (here every rank gets the full tensors; the engine's loader shards them)."""
+    return _tensor_body(serialize_named_tensors(named), None, tp_size, version, flush_cache)
+
+
+def update_flattened_bucket_body(flat: torch.Tensor, metadata: Sequence, tp_size: int = 1,
+                                 version: int | None = None, flush_cache: bool = True) -> dict:
+    """/update_weights_from_tensor with SGLang's `load_format: "flattened_bucket"`: one handle for the
+    whole bucket (`flat`, uint8) and its tensors' metadata (tensor_bucket.flatten). `flat` must stay
+    alive until every engine has answered."""
+    payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": list(metadata)})
+    return _tensor_body(payload, tensor_bucket.LOAD_FORMAT, tp_size, version, flush_cache)
+
+
+def _tensor_body(payload: str, load_format: str | None, tp_size: int, version: int | None, flush_cache: bool) -> dict:
     body = {"serialized_named_tensors": [payload] * tp_size, "flush_cache": flush_cache}
+    if load_format is not None:
+        body["load_format"] = load_format
     if version is not None:
         body["weight_version"] = version_to_wire(version)
     return body

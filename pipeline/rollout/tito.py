@@ -69,3 +69,51 @@ def verify_batch(batch) -> int:
         if expected is not None and token_hash(batch.sequence(i).tolist()) != expected:
             bad += 1
     return bad
+
+
+@dataclass
+class TurnCheck:
+    """A trajectory compared with what the engine consumed and produced, call by call (expected all 0)."""
+
+    input_mismatches: int = 0  # calls whose input is not a prefix of the final ids (history re-tokenized)
+    output_mismatches: int = 0  # calls whose output ids are not, in place, in the final ids (decode/re-encode)
+    mask_mismatches: int = 0  # tokens whose loss mask says generated and no call produced them, or vice versa
+    logprob_mismatches: int = 0  # generated tokens whose logprob is not the engine's
+
+    @property
+    def total(self) -> int:
+        return self.input_mismatches + self.output_mismatches + self.mask_mismatches + self.logprob_mismatches
+
+
+def compare_calls(tokens: list[int], prompt_len: int, loss_mask: list[int], logprobs: list[float],
+                  calls) -> TurnCheck:
+    """TITO across turns: the final ids against every engine call (pipeline/rollout/trajectory.Call)."""
+    check = TurnCheck()
+    generated = [0] * len(tokens)
+    for c in calls:
+        a, b = c.span
+        if list(tokens[:a]) != list(c.input_ids):
+            check.input_mismatches += 1
+        if list(tokens[a:b]) != list(c.output_ids):
+            check.output_mismatches += 1
+            continue
+        for j in range(a, b):
+            generated[j] = 1
+        if [float(x) for x in logprobs[a - prompt_len: b - prompt_len]] != [float(x) for x in c.logprobs]:
+            check.logprob_mismatches += 1
+    check.mask_mismatches = sum(int(m != 0) != g for m, g in zip(loss_mask, generated[prompt_len:]))
+    return check
+
+
+def check_turns(prompt_ids: list[int], response_ids: list[int], turn_spans: list[tuple[int, int]], tokenizer,
+                expected_eos: list[int], prompt_text: str | None = None) -> TitoReport:
+    """check_sample for a multi-turn sample: alternate EOS and special tokens are looked for in the generated
+    spans only (environment spans carry template delimiters by design); drift over the whole sequence (what
+    a pipeline that went through text would have trained on)."""
+    report = check_sample(prompt_ids, response_ids, tokenizer, expected_eos, prompt_text)
+    report.issues = [i for i in report.issues if i == "retokenize_drift"]
+    seq = list(prompt_ids) + list(response_ids)
+    for a, b in turn_spans:
+        sub = check_sample([], seq[a:b], tokenizer, expected_eos + [seq[b - 1]] * (b < len(seq)))
+        report.issues += [i for i in sub.issues if i not in report.issues]
+    return report

@@ -26,6 +26,10 @@ others through it. `RunDir` owns every name in it; nothing else joins a path ins
   control/CHECKPOINT           checkpoint at the next step boundary and exit (pre-emption); the
                                trainer answers with control/CHECKPOINT_DONE {step}
   control/FAILED               {component, returncode, job}: a job failed (paired jobs tell each other)
+  heartbeat/<component>.json   {component, node, pid, beat}: rewritten every faults.heartbeat_interval_s
+                               by each process; one older than faults.heartbeat_timeout_s is hung
+  events.jsonl                 the run's history across job attempts (append-only): starts, restarts
+                               in place, failures with their node, requeues, the end (lockstep status)
 
 Control and rendezvous files are published atomically (pipeline/run/files.py), so a reader sees all
 of one or nothing.
@@ -33,6 +37,7 @@ of one or nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -317,6 +322,57 @@ class RunDir:
 
     def failure(self) -> dict | None:
         return read_json(self.failed_file) if os.path.exists(self.failed_file) else None
+
+    # ---- liveness and history: heartbeats, the event log --------------------------------------------
+    @property
+    def heartbeat_dir(self) -> str:
+        return os.path.join(self.root, "heartbeat")
+
+    def heartbeat_file(self, component: str) -> str:
+        return os.path.join(self.heartbeat_dir, f"{component}.json")
+
+    def heartbeats(self) -> dict[str, dict]:
+        """component -> its last heartbeat record."""
+        if not os.path.isdir(self.heartbeat_dir):
+            return {}
+        out = {}
+        for name in sorted(os.listdir(self.heartbeat_dir)):
+            if name.endswith(".json") and not name.startswith("."):
+                try:
+                    out[name[:-5]] = read_json(os.path.join(self.heartbeat_dir, name))
+                except (FileNotFoundError, ValueError):  # removed or replaced between listdir and read
+                    pass
+        return out
+
+    def clear_heartbeats(self, component: str | None = None) -> None:
+        """Forget the heartbeats of a component being restarted (`trainer` also clears trainer_<rank>),
+        or of all."""
+        for name in self.heartbeats():
+            if component is None or name == component or name.startswith(component + "_"):
+                try:
+                    os.unlink(self.heartbeat_file(name))
+                except FileNotFoundError:
+                    pass
+
+    @property
+    def events(self) -> str:
+        return os.path.join(self.root, "events.jsonl")
+
+    def append_event(self, event: dict) -> None:
+        """One line, written with a single O_APPEND write (whole lines, also from several writers)."""
+        line = (json.dumps(dict(event, time=round(time.time(), 3)), sort_keys=True) + "\n").encode()
+        fd = os.open(self.events, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_events(self) -> list[dict]:
+        if not os.path.exists(self.events):
+            return []
+        with open(self.events) as f:
+            return [json.loads(line) for line in f if line.strip().endswith("}")]
 
     # ---- (re)starting a run in this directory --------------------------------------------------------
     def reset_control(self) -> None:

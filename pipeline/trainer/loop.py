@@ -67,6 +67,7 @@ class Trainer:
         self.metrics: MetricSinks | None = None
         self.nonfinite_in_row = 0
         self.step = 0
+        self.checkpointed = self.collected = 0  # the last checkpoint's step; buffer steps below `collected` are gone
 
     # ---- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -82,9 +83,9 @@ class Trainer:
             sync = self.update_engines(version=step + 1)
             times.append(time.monotonic())
             self.log_step(step, commit, train, step_times(times), sync)
-            self.collect_consumed(step)
             if self.save_or_stop(done_steps=step + 1):
                 return
+            self.collect_consumed(step)
         self.finish()
 
     def start(self) -> int:
@@ -92,6 +93,7 @@ class Trainer:
         they serve; the first step to run."""
         with self.clock.phase("resume"):
             start = checkpoint.resume_backend(self.layout.root, self.backend)
+        self.checkpointed = start
         if self.rank == 0:
             self.metrics = open_sinks(self.cfg, self.layout.root, start_step=start)
             with self.clock.phase("wait_engines"):
@@ -191,7 +193,8 @@ class Trainer:
         host = os.environ.get("LOCKSTEP_WEIGHTS_HOST") or bind_address()
         self.sender = make_transport(self.cfg.weights, clients, self.device, host,
                                      publish_path=rundir.weights_file,
-                                     urls=lambda: rundir.current_engine_urls(n), api_key=key)
+                                     urls=lambda: rundir.current_engine_urls(n), api_key=key,
+                                     engine_type=self.cfg.engine.type)
         self.sender.connect(clients)
         if self.cfg.weights.keep_host_copy:
             self.sender.watch()
@@ -277,10 +280,15 @@ class Trainer:
             return []
 
     def collect_consumed(self, step: int) -> None:
-        """buffer.keep_consumed=false: delete trained-on rollout steps. The newest committed step holds
-        the rollout side's state (prompt cursor, unfinished groups): collect the one before it."""
-        if not self.cfg.buffer.keep_consumed and self.rank == 0 and step > 0:
-            remove_step(self.layout.buffer, step - 1)
+        """buffer.keep_consumed=false: delete trained-on rollout steps a resume will not train again:
+        those before the last checkpoint (a restarted trainer re-trains from it), and never the newest
+        committed step (it holds the rollout side's state: prompt cursor, unfinished groups)."""
+        if self.cfg.buffer.keep_consumed or self.rank != 0:
+            return
+        upto = min(step, self.checkpointed)
+        for done in range(self.collected, upto):
+            remove_step(self.layout.buffer, done)
+        self.collected = max(self.collected, upto)
 
     def save_or_stop(self, done_steps: int) -> bool:
         """Checkpoint on schedule; on a pre-emption request checkpoint (once) and tell the driver.
@@ -303,6 +311,7 @@ class Trainer:
 
     def save(self, done_steps: int) -> None:
         checkpoint.save_backend(self.layout.root, done_steps, self.backend, self.cfg.checkpoint.keep_last)
+        self.checkpointed = done_steps
 
     def finish(self) -> None:
         if self.cfg.checkpoint.export_hf:

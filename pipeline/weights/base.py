@@ -48,9 +48,11 @@ class WeightTransport(Protocol):
 
 
 def make_transport(cfg: WeightsConfig, clients: list[EngineClient], device: torch.device, host: str,
-                   publish_path: str | None = None, urls=None, api_key: str | None = None) -> WeightTransport:
+                   publish_path: str | None = None, urls=None, api_key: str | None = None,
+                   engine_type: str = "local") -> WeightTransport:
     """The transport weights.type names. host / publish_path: the broadcast group's address and where
-    it is published; urls() -> the engines' current URLs (rendezvous), for membership and catch-up."""
+    it is published; urls() -> the engines' current URLs (rendezvous), for membership and catch-up;
+    engine_type: engine.type (what the colocated payload may hold)."""
     if cfg.type == "broadcast":
         from pipeline.weights.broadcast import BroadcastTransport
 
@@ -58,5 +60,5 @@ def make_transport(cfg: WeightsConfig, clients: list[EngineClient], device: torc
     if cfg.type == "tensor":
         from pipeline.weights.tensor import TensorTransport
 
-        return TensorTransport(cfg, clients, device, urls=urls, api_key=api_key)
+        return TensorTransport(cfg, clients, device, urls=urls, api_key=api_key, engine_type=engine_type)
     raise ValueError(f"weights.type={cfg.type!r}: use broadcast or tensor")

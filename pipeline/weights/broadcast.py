@@ -2,8 +2,9 @@
 
 Uses SGLang's endpoints: /init_weights_update_group once per membership, then per bucket
 /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version on the last
-bucket} while rank 0 broadcasts the bucket's tensors in the same order. NCCL/RCCL between GPUs
-(InfiniBand RDMA across nodes), gloo on CPU.
+bucket} while rank 0 broadcasts the bucket's tensors in the same order, inside the weight-update
+session (/begin_weight_update ... /end_weight_update) that common.py opens around every push. NCCL/RCCL
+between GPUs (InfiniBand RDMA across nodes), gloo on CPU.
 
 Engines come and go (a dead one is restarted with a new address): the group is rebuilt whenever the
 set of live engines changes. Membership, the host copy, retries and catch-up are common.py's

@@ -2,12 +2,14 @@
 
   EngineSet    the engines a version goes to: the members, the live ones (from the rendezvous files
                when a resolver is given), requests to all of them in parallel and their answers within
-               weights.timeout_s, pause / continue around an update
+               weights.timeout_s, pause / continue and SGLang's weight-update session (begin / end)
+               around an update
   HostCache    trainer rank 0's host copy of the last version sent (weights.keep_host_copy), filled while
                the version is sent: a send cut off by a dying engine is retried from it, and a restarted
                engine is caught up from it without a trainer collective
   VersionSync  the logic around a transport's own `push`: send a version (retried from the host copy
-               with the survivors), catch up a restarted engine, the watcher thread that does so
+               with the survivors) in a weight-update session on every member, catch up a restarted
+               engine, the watcher thread that does so
 
 A transport gives VersionSync its link (the `Link` protocol below: join the engines, leave, push one
 version) and answers the WeightTransport interface (base.py) through it.
@@ -25,6 +27,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from pipeline.config.schema import WeightsConfig
+from pipeline.rollout import protocol
 from pipeline.rollout.client import EngineClient, EngineError
 
 log = logging.getLogger("lockstep.weights")
@@ -72,6 +75,35 @@ class EngineSet:
                 raise EngineError(f"weight update request got no answer within {self.timeout_s:.0f}s "
                                   f"(weights.timeout_s){note}") from e
         return out
+
+    def begin_sessions(self) -> None:
+        """Open a weight-update session on every member (SGLang takes tensor / distributed updates only
+        inside one). A member that still holds one (its sender died mid-update) has it closed first."""
+        futures = self.post("/begin_weight_update", protocol.begin_weight_update_body())
+        for client, future in zip(self.clients, futures):
+            try:
+                self.answers([future])
+            except EngineError as e:
+                if protocol.SESSION_ALREADY_OPEN not in str(e):
+                    raise
+                log.warning("%s still had a weight-update session open (a sender died mid-update?): closing it",
+                            client.url)
+                client.end_weight_update(self.timeout_s)
+                client.begin_weight_update(timeout_s=self.timeout_s)
+
+    def end_sessions(self, best_effort: bool = False) -> None:
+        """Close every member's session. best_effort (a failed version): failures are logged, not raised,
+        so the error that ended the version is the one reported; a session left open is closed by the
+        next begin_sessions()."""
+        futures = self.post("/end_weight_update", protocol.end_weight_update_body())
+        if not best_effort:
+            self.answers(futures)
+            return
+        for client, future in zip(self.clients, futures):
+            try:
+                self.answers([future])
+            except EngineError as e:
+                log.warning("closing the weight-update session of %s failed: %s", client.url, e)
 
     def paused(self, fn: Callable[[], dict], pause: bool) -> dict:
         """fn()'s stats, with the engines' scheduling paused around it when `pause` (requests stay in
@@ -221,12 +253,26 @@ class VersionSync:
             return stats
 
     def _push(self, named_tensors: NamedTensors, version: int, pause: bool) -> dict:
-        return self.engines.paused(lambda: self.link.push(named_tensors, version, self.engines), pause)
+        return self.engines.paused(lambda: self._push_in_session(named_tensors, version), pause)
+
+    def _push_in_session(self, named_tensors: NamedTensors, version: int) -> dict:
+        """The link's push inside a weight-update session on every member: every send, retry and
+        catch-up comes here, so a restarted engine gets its own session. A push that fails closes the
+        sessions best-effort before the error goes on."""
+        try:
+            self.engines.begin_sessions()
+            stats = self.link.push(named_tensors, version, self.engines)
+        except BaseException:
+            self.engines.end_sessions(best_effort=True)
+            raise
+        self.engines.end_sessions()
+        return stats
 
     def _retry(self, cached: list[tuple[str, torch.Tensor]], version: int, pause: bool, attempts: int) -> dict:
         for attempt in range(attempts):
             self.link.leave()
             try:
+                self.wait_live(self.cfg.timeout_s)
                 self.ensure_members()
                 stats = self._push(cached, version, pause)
                 stats["retries"] = attempt + 1
@@ -236,6 +282,12 @@ class VersionSync:
                     raise EngineError(f"weight update to version {version} failed {attempts + 1} times: {e}") from e
                 log.warning("weight update retry %d failed (%s)", attempt + 1, e)
         raise AssertionError("unreachable")
+
+    def wait_live(self, timeout_s: float) -> None:
+        """Give a dead sole engine up to `timeout_s` to come back (its launcher restarts it) before a retry."""
+        deadline = time.monotonic() + timeout_s
+        while not self.engines.live() and time.monotonic() < deadline:
+            time.sleep(1.0)
 
     def catch_up(self) -> bool:
         """If the published engine URLs changed (an engine was restarted on a new port), join the live

@@ -1,8 +1,13 @@
 """Engine side of weight updates (the built-in engine's handlers for SGLang's weight endpoints).
 
-Buckets are staged and applied together when the request that carries `weight_version` (the last
-bucket) has arrived, so an update cut off half way leaves the engine on its last complete version,
-never a mix of two.
+As in SGLang (0.5.2x), tensor and distributed updates run only inside a weight-update session
+(/begin_weight_update ... /end_weight_update); outside one, and for a begin while one is open or an
+end while none is, the answer is SGLang's refusal (protocol.SESSION_*), so CPU tests hold the
+trainer to the protocol real engines enforce. /update_weights_from_disk needs no session.
+
+Broadcast buckets are staged and applied together when the request that carries `weight_version`
+(the last bucket) has arrived, so an update cut off half way leaves the engine on its last complete
+version, never a mix of two.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 import torch
 
 from pipeline import faults
+from pipeline.rollout import protocol, tensor_bucket
 from pipeline.rollout.protocol import version_from_wire
 from pipeline.weights.group import broadcast, create_group
 from pipeline.weights.quant import SCALE_SUFFIX, dequantize_fp8_pairs, wire
@@ -34,15 +40,21 @@ def parse_dtype(name: str) -> torch.dtype:
 
 class TensorUnpickler(pickle.Unpickler):
     """Loads the tensors of /update_weights_from_tensor and nothing else: only torch's own rebuild
-    functions, storage and dtype types, and the few containers a list of (name, tensor) needs."""
+    functions, storage and dtype types, the few containers a list of (name, tensor) needs, and a
+    flattened bucket's metadata entries (SGLang's class is read as Lockstep's twin of it, so this
+    process needs no SGLang)."""
 
     ALLOWED = {
         ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"), ("collections", "OrderedDict"),
         ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch.storage", "UntypedStorage"),
         ("torch.storage", "TypedStorage"), ("multiprocessing.resource_sharer", "DupFd"),
     }
+    METADATA = {("pipeline.rollout.tensor_bucket", "FlattenedTensorMetadata"),
+                ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")}
 
     def find_class(self, module: str, name: str):
+        if (module, name) in self.METADATA:
+            return tensor_bucket.FlattenedTensorMetadata
         allowed = ((module, name) in self.ALLOWED
                    or (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
                    or (module == "torch._utils" and name.startswith("_rebuild_"))
@@ -52,14 +64,26 @@ class TensorUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def load_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+def load_named_tensors(payload: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one payload: a list of them (load_format None), or a flattened
+    bucket (tensor_bucket.LOAD_FORMAT), whose tensors come back as views of its one flat tensor."""
     import torch.multiprocessing  # noqa: F401  (torch's rebuild functions for shared memory / CUDA IPC)
 
-    named = TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
-    if not isinstance(named, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
-                                              for x in named):
+    if load_format not in (None, tensor_bucket.LOAD_FORMAT):
+        raise ValueError(f"load_format {load_format!r}: the built-in engine reads none (a list of named "
+                         f"tensors) or {tensor_bucket.LOAD_FORMAT!r}")
+    data = TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    if load_format == tensor_bucket.LOAD_FORMAT:
+        if not (isinstance(data, dict) and {"flattened_tensor", "metadata"} <= data.keys()
+                and isinstance(data["metadata"], list)
+                and all(isinstance(m, tensor_bucket.FlattenedTensorMetadata) for m in data["metadata"])):
+            raise ValueError("a flattened_bucket payload holds {'flattened_tensor': uint8 tensor, 'metadata': "
+                             "[FlattenedTensorMetadata, ...]}")
+        return tensor_bucket.reconstruct(data["flattened_tensor"], data["metadata"])
+    if not isinstance(data, list) or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+                                             for x in data):
         raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
-    return named
+    return data
 
 
 class WeightReceiver:
@@ -73,6 +97,40 @@ class WeightReceiver:
         self.staging: dict[str, torch.device] = {}
         self.locks: dict[str, threading.Lock] = {}
         self.last_update_s = 0.0
+        self.session: protocol.WeightSelector | None = None  # the open session's selector (None: no session)
+        self.session_updates = 0  # update requests taken in the open session (for the log)
+        self.session_lock = threading.Lock()
+
+    def begin_session(self, body: dict) -> tuple[bool, str]:
+        """SGLang's /begin_weight_update. `selector` is recorded as SGLang does; this engine loads every
+        tensor it is sent by name (a speculative draft's parameters are its own names), whichever runner
+        the selector names."""
+        selector = body.get("selector", protocol.WeightSelector.ALL.value)
+        if selector not in set(protocol.WeightSelector):
+            return False, f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'"
+        with self.session_lock:
+            if self.session is not None:
+                return False, protocol.SESSION_ALREADY_OPEN
+            self.session, self.session_updates = protocol.WeightSelector(selector), 0
+            self.engine.stats["weight_sessions_begun"] += 1
+        log.info("weight-update session begun (selector %s)", selector)
+        return True, "Success"
+
+    def end_session(self, body: dict) -> tuple[bool, str]:
+        """SGLang's /end_weight_update (this engine has no post-load step to run)."""
+        with self.session_lock:
+            if self.session is None:
+                return False, protocol.SESSION_NOT_OPEN
+            self.session, updates = None, self.session_updates
+            self.engine.stats["weight_sessions_ended"] += 1
+        log.info("weight-update session ended after %d update(s)", updates)
+        return True, "Success"
+
+    def refused_outside_session(self, endpoint: str) -> tuple[bool, str] | None:
+        """SGLang's answer to a tensor / distributed update outside a session, or None inside one."""
+        if self.session is None:
+            return False, protocol.SESSION_REQUIRED.format(endpoint=endpoint)
+        return None
 
     def init_group(self, body: dict) -> tuple[bool, str]:
         name = body.get("group_name", "weight_update_group")
@@ -94,6 +152,9 @@ class WeightReceiver:
         return True, f"destroyed {name}"
 
     def update_from_distributed(self, body: dict) -> tuple[bool, str]:
+        refused = self.refused_outside_session("update_weights_from_distributed")
+        if refused:
+            return refused
         name = body.get("group_name", "weight_update_group")
         pg, lock, device = self.groups.get(name), self.locks.get(name), self.staging.get(name)
         if pg is None:
@@ -114,6 +175,7 @@ class WeightReceiver:
                 return False, f"weight broadcast failed, kept version {self.engine.weight_version}: {e}"
             if staged is None or self.groups.get(name) is not pg:
                 return False, f"group {name!r} was replaced during the update; kept version {self.engine.weight_version}"
+            self.session_updates += 1
             version = version_from_wire(body.get("weight_version"))
             if version is None:
                 return True, f"staged {len(body['names'])} tensors"
@@ -141,16 +203,21 @@ class WeightReceiver:
 
     def update_from_tensor(self, body: dict) -> tuple[bool, str]:
         """Colocated update: the tensors arrive as shared-memory (CPU) or CUDA IPC handles, one payload
-        per TP rank (this engine is one rank: the first). Each bucket is applied as it arrives (the
-        sender pauses the engine around the whole version); the one that carries weight_version must
-        leave no parameter unwritten since a memory release. Tensors already on the engine's device are read in place (no staging copy): the sender keeps
-        their memory until this answer, and the answer waits for the copies to finish."""
+        per TP rank (this engine is one rank: the first): a handle per tensor, or one per bucket
+        (load_format "flattened_bucket": views of one flat tensor, applied alike). Each bucket is
+        applied as it arrives (the sender pauses the engine around the whole version); the one that
+        carries weight_version must leave no parameter unwritten since a memory release. Tensors already
+        on the engine's device are read in place (no staging copy): the sender keeps their memory until
+        this answer, and the answer waits for the copies to finish."""
+        refused = self.refused_outside_session("update_weights_from_tensor")
+        if refused:
+            return refused
         payloads = body.get("serialized_named_tensors") or []
         if not payloads:
             return False, "serialized_named_tensors is empty"
         t0 = time.monotonic()
         try:
-            named = load_named_tensors(payloads[0])
+            named = load_named_tensors(payloads[0], body.get("load_format"))
             t1 = time.monotonic()
             unknown = [n for n, _ in named if n.removesuffix(SCALE_SUFFIX) not in self.engine.params]
             if unknown:
@@ -160,6 +227,7 @@ class WeightReceiver:
             return False, f"update_weights_from_tensor failed, kept version {self.engine.weight_version}: {e}"
         version = version_from_wire(body.get("weight_version"))
         self.engine.load_weights(staged, version if version is not None else self.engine.weight_version)
+        self.session_updates += 1
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)  # done reading the sender's memory
         self.last_update_s = time.monotonic() - t0

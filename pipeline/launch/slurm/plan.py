@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pipeline.config.schema import RunConfig, SlurmGroupConfig
 from pipeline.errors import UserError
 from pipeline.launch.slurm.profile import ClusterProfile
+from pipeline.launch.slurm.steps import plan_steps
 from pipeline.run import RunDir
 
 
@@ -111,10 +112,9 @@ def render_script(cfg: RunConfig, profile: ClusterProfile, run_dir: str, command
               f"export LOCKSTEP_CLUSTER={shlex.quote(profile.name)}",
               f"export LOCKSTEP_SLURM_MODE={s.mode}",
               f"export LOCKSTEP_SLURM_ROLE={role}",
-              "", "# The driver starts these job steps, watches them, and ends the job if one fails;",
-              "# on USR2 it has the trainer checkpoint, then requeues the job (which resumes from run_dir):"]
-    from pipeline.launch.slurm.driver import plan_steps
-
+              "", "# The driver starts these job steps and watches them: a failed or silent one is restarted in",
+              "# place, or the job requeued without its node (slurm.max_restarts, slurm.max_requeues); on USR2",
+              "# it has the trainer checkpoint, then requeues the job (which resumes from run_dir):"]
     for name, argv in plan_steps(cfg, profile, run_dir, role, s.mode, python=python):
         lines.append(f"#   {name}: {shlex.join(argv)}")
     lines += [f"exec {command}", ""]

@@ -75,6 +75,7 @@ class Request:
     spec_start: int = 0  # position of spec_hidden's first row
     spec_verify_ct: int = 0  # verify rounds (SGLang's meta_info spec_verify_ct)
     spec_accepted: int = 0  # drafted tokens accepted
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (SGLang's meta_info cached_tokens)
 
     def __post_init__(self):
         if self.params.sampling_seed is None:
@@ -129,13 +130,16 @@ class Engine:
         quantization: str | None = None,
         overlap: bool = False,
         fused_sampling: bool = True,
+        prefix_cache_tokens: int = 0,
     ):
         """overlap: overlapped decode (engine.overlap_schedule): step t+1 is launched from step t's tokens
         on the device before the host reads step t back (SGLang's overlap scheduler); GPUs, plain decode
         only. Off by default: on the H200 its first version ran at 0.67-1.06x of step-by-step decode (its
         host-to-device copies came from pageable memory, which waits for the stream); the pinned copies
         since then have not run on a GPU yet (BENCHMARKS.md). fused_sampling: the fused Triton sampler on
-        GPUs (engine.sampling_backend=triton; rows without top-p/top-k), the same tokens as the torch path."""
+        GPUs (engine.sampling_backend=triton; rows without top-p/top-k), the same tokens as the torch path.
+        prefix_cache_tokens: keep finished requests' KV for reuse by requests that share a prefix, up to this
+        many tokens (prefix_cache.py; 0: none; not with speculative decoding, whose draft cache it does not hold)."""
         self.model = model.eval()
         self.overlap, self.fused_sampling = overlap, fused_sampling
         self.args: ModelArgs = model.args
@@ -163,7 +167,9 @@ class Engine:
         self.model_lock = threading.Lock()
         self.paused = False
         self.weight_version = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0}
+        # weight_sessions_*: SGLang weight-update sessions begun / ended (the server's WeightReceiver)
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "finished": 0,
+                      "weight_sessions_begun": 0, "weight_sessions_ended": 0}
         self._stop = False
         self.error: str | None = None  # set when the scheduler died
         self.released: set[MemoryTag] = set()  # tags whose memory is given back
@@ -177,6 +183,14 @@ class Engine:
             from pipeline.rollout.engine.speculative import SpecDecoder
 
             self.spec = SpecDecoder(self, speculative_num_steps)
+        self.prefix = None
+        if prefix_cache_tokens > 0:
+            if self.spec is not None:
+                raise ValueError("the prefix cache does not hold the MTP draft head's cache: set"
+                                 " engine.prefix_cache_tokens=0 with speculative decoding")
+            from pipeline.rollout.engine.prefix_cache import PrefixCache
+
+            self.prefix = PrefixCache(prefix_cache_tokens)
         # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; dense
         # models and plain decoding only (graphs.py says why). 0: every step eager. Captured on first
         # use, or all at once by capture_graphs() (the server does so before it serves).
@@ -310,19 +324,50 @@ class Engine:
         base = len(self.running)
         slots = list(range(base, base + len(admit)))
         seqs = [r.input_ids + r.output_ids for r in admit]  # output_ids non-empty when continuing a partial rollout
-        ctx = CacheAttention(self.cache, slots, [0] * len(admit), [len(s) for s in seqs], self.device)
+        starts = self._reuse_prefixes(admit, slots, seqs)
+        new = [len(s) - c for s, c in zip(seqs, starts)]
+        ctx = CacheAttention(self.cache, slots, starts, new, self.device)
         record = any(r.return_routed_experts for r in admit)
-        ends = torch.cumsum(torch.tensor([len(s) for s in seqs], device=self.device), 0) - 1
+        ends = torch.cumsum(torch.tensor(new, device=self.device), 0) - 1
         self.running.extend(admit)  # before the forward: if it fails, these are finished with the error
-        logits, routing, hidden = self._forward([t for s in seqs for t in s], ctx, record, ends)
+        logits, routing, hidden = self._forward([t for s, c in zip(seqs, starts) for t in s[c:]], ctx, record, ends)
         if self.spec:
             self.spec.after_prefill(admit, [len(s) for s in seqs], hidden)
         for r in admit:
             if r.weight_version is None:
                 r.weight_version = self.weight_version
-        self._keep_routing(admit, [len(s) for s in seqs], routing)
+        self._keep_routing(admit, new, routing)
         self.stats["prefill_tokens"] += ctx.positions.numel()
         self._sample_and_advance(admit, logits, base)
+
+    def _reuse_prefixes(self, admit: list[Request], slots: list[int], seqs: list[list[int]]) -> list[int]:
+        """Copy each request's longest cached prefix into its slot (at least its last token is prefilled,
+        for its logits); the number of cached positions of each. Routing rows of the prefix come along."""
+        if self.prefix is None:
+            return [0] * len(admit)
+        starts = []
+        for r, slot, seq in zip(admit, slots, seqs):
+            n, entry = self.prefix.match(seq, len(seq) - 1, need_routing=r.return_routed_experts and self.args.is_moe)
+            if entry is not None:
+                self.cache.write(slot, entry.rows, n)
+                if r.return_routed_experts and entry.routing is not None:
+                    r.routed.append(entry.routing[:n])
+            r.cached_tokens = n
+            self.stats["cached_tokens"] = self.stats.get("cached_tokens", 0) + n
+            starts.append(n)
+        return starts
+
+    def _keep_prefix(self, slot: int, req: Request) -> None:
+        """A leaving request's KV rows (and routing rows) into the prefix cache."""
+        n = req.num_tokens - 1  # the last token was sampled, never fed
+        if self.prefix is None or n <= 0 or MemoryTag.KV_CACHE in self.released:
+            return
+        routing = None
+        if req.return_routed_experts and self.args.is_moe and req.routed:
+            routing = torch.cat(req.routed)[:n]
+            if len(routing) < n:
+                routing = None
+        self.prefix.insert((req.input_ids + req.output_ids)[:n], self.cache.read(slot, n), routing)
 
     def _decode(self) -> None:
         """One decode step of every running request. Overlapped (self.overlap, no routing record): the step
@@ -426,6 +471,7 @@ class Engine:
 
     def _finish_running(self, slot: int, reason: dict) -> None:
         req = self.running[slot]
+        self._keep_prefix(slot, req)
         last = len(self.running) - 1
         if slot != last:
             moved = self.running[last]
@@ -454,6 +500,8 @@ class Engine:
             if MemoryTag.WEIGHTS in self.released:  # memory comes back; the update fills it
                 self._resume_weights()
             written = load_into(params, named)
+            if self.prefix is not None:
+                self.prefix.flush()  # its rows came from the weights before
             if self.refill is not None:
                 self.refill |= written
                 if self.refill >= params.keys():
@@ -480,6 +528,8 @@ class Engine:
             if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE not in self.released:
                 for t in self._cache_tensors():
                     t.untyped_storage().resize_(0)
+                if self.prefix is not None:
+                    self.prefix.flush()
                 self.released.add(MemoryTag.KV_CACHE)
             if MemoryTag.WEIGHTS in tags and MemoryTag.WEIGHTS not in self.released:
                 for flat in self.flat_weights:

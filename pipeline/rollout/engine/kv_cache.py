@@ -43,6 +43,15 @@ class KVCache:
         """Every tensor of the cache (a memory release frees them)."""
         return self.k + self.v
 
+    def read(self, slot: int, length: int) -> list[torch.Tensor]:
+        """Copies of slot's first `length` positions, one [K, length, D] per tensor (the prefix cache keeps them)."""
+        return [t[slot, :, :length].clone() for t in self.tensors()]
+
+    def write(self, slot: int, rows: list[torch.Tensor], length: int) -> None:
+        """Put `read`'s rows (their first `length` positions) into slot."""
+        for t, r in zip(self.tensors(), rows):
+            t[slot, :, :length] = r[:, :length]
+
 
 class LatentCache:
     """MLA's cache: one [S, T, L] tensor of latent rows per layer (`latent`)."""
@@ -58,6 +67,13 @@ class LatentCache:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.latent)
+
+    def read(self, slot: int, length: int) -> list[torch.Tensor]:
+        return [t[slot, :length].clone() for t in self.latent]
+
+    def write(self, slot: int, rows: list[torch.Tensor], length: int) -> None:
+        for t, r in zip(self.latent, rows):
+            t[slot, :length] = r[:length]
 
 
 def make_cache(args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache | LatentCache:

@@ -6,6 +6,7 @@ Endpoints (same paths, bodies and response shapes as `sglang.launch_server`):
   POST /generate                 input_ids (one or a batch), sampling_params, return_logprob, return_routed_experts, rid
   POST /abort_request            rid | abort_all
   POST /flush_cache, /pause_generation, /continue_generation
+  POST /begin_weight_update      selector; /end_weight_update: the session tensor / distributed updates run in
   POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group
   POST /update_weights_from_disk model_path
   POST /update_weights_from_tensor serialized_named_tensors (colocated: shared memory / CUDA IPC handles)
@@ -53,7 +54,7 @@ def build_response(req: Request, return_logprob: bool, return_routed: bool, toke
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "weight_version": protocol.version_to_wire(req.weight_version),
         "e2e_latency": time.monotonic() - req.submitted,
     }
@@ -156,6 +157,8 @@ class EngineServer:
                                    "context_length": e.context_length, "device": str(e.device), "stats": e.stats,
                                    "num_running_reqs": len(e.running), "num_waiting_reqs": len(e.waiting),
                                    "paused": e.paused, **(e.spec.stats() if e.spec else {}), **device_memory(e.device),
+                                   **({"prefix_cache": dict(e.prefix.stats, hit_rate=e.prefix.hit_rate,
+                                                            tokens=e.prefix.tokens)} if e.prefix else {}),
                                    "uptime_s": time.time() - self.started, "version": "lockstep-builtin"}
         if path == "/get_weight_version":
             return HTTPStatus.OK, {"weight_version": protocol.version_to_wire(e.weight_version)}
@@ -169,13 +172,21 @@ class EngineServer:
             n = e.abort(body.get("rid"), bool(body.get("abort_all", False)))
             return HTTPStatus.OK, {"success": True, "aborted": n}
         if path == "/flush_cache":
-            return HTTPStatus.OK, {"success": True, "message": "no prefix cache to flush"}
+            if e.prefix is None:
+                return HTTPStatus.OK, {"success": True, "message": "no prefix cache to flush"}
+            with e.model_lock:
+                e.prefix.flush()
+            return HTTPStatus.OK, {"success": True, "message": "prefix cache flushed"}
         if path == "/pause_generation":
             e.pause()
             return HTTPStatus.OK, {"success": True}
         if path == "/continue_generation":
             e.resume()
             return HTTPStatus.OK, {"success": True}
+        if path == "/begin_weight_update":
+            return self._result(self.receiver.begin_session(body))
+        if path == "/end_weight_update":
+            return self._result(self.receiver.end_session(body))
         if path == "/init_weights_update_group":
             return self._result(self.receiver.init_group(body))
         if path == "/update_weights_from_distributed":
@@ -323,6 +334,8 @@ def parse_args(argv=None):
     p.add_argument("--speculative-algorithm", default=None, choices=["NEXTN", "EAGLE"],
                    help="draft with the MTP head and verify (SGLang's flag)")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens per verify step")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="keep finished requests' KV for requests sharing a prefix, up to this many tokens (0: off)")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="blockwise FP8 linear layers and FP8 GEMMs (SGLang's flag)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="every decode step eager (SGLang's flag)")
@@ -336,7 +349,7 @@ def parse_args(argv=None):
 def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
                  mtp_layers: int | None = None, speculative_num_steps: int = 0, cuda_graph_max_bs: int | None = None,
                  quantization: str | None = None, overlap: bool = False, fused_sampling: bool = True,
-                 clock: StartupClock | None = None):
+                 prefix_cache_tokens: int = 0, clock: StartupClock | None = None):
     """The engine of a server, its decode graphs captured. cuda_graph_max_bs: None = max_running on a
     GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). overlap,
     fused_sampling: see Engine. `clock` times the phases (load, engine, graphs)."""
@@ -355,7 +368,8 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
         engine = Engine(model, max_running=max_running, context_length=context_length,
                         eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
                         speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
-                        quantization=quantization, overlap=overlap, fused_sampling=fused_sampling)
+                        quantization=quantization, overlap=overlap, fused_sampling=fused_sampling,
+                        prefix_cache_tokens=prefix_cache_tokens)
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # loading's transient blocks (flattening copies the weights once)
     with clock.phase("graphs"):
@@ -376,7 +390,8 @@ def engine_from_args(args, clock: StartupClock | None = None):
                         speculative_num_steps=args.speculative_num_steps if args.speculative_algorithm else 0,
                         cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
                         quantization=args.quantization, overlap=args.overlap_schedule,
-                        fused_sampling=args.sampling_backend == "triton", clock=clock)
+                        fused_sampling=args.sampling_backend == "triton",
+                        prefix_cache_tokens=args.prefix_cache_tokens, clock=clock)
 
 
 def main(argv=None) -> None:

@@ -10,6 +10,7 @@
   lockstep status RUN_DIR                      steps, last checkpoint, job attempts, failures and their nodes
   lockstep eval RUN_DIR|MODEL_DIR [--dataset NAME=PATH ...] [--out DIR] [overrides]   evaluate a model alone
   lockstep data make-arith OUT_DIR             write the synthetic arithmetic task as JSONL
+  lockstep data make-multidigit OUT_DIR        multi-digit arithmetic with a scratchpad: sft / train / test JSONL
 """
 
 from __future__ import annotations
@@ -170,10 +171,18 @@ def cmd_buffer(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from pipeline.rollout.tasks import make_arith
+    from pipeline.rollout.tasks import make_arith, make_multidigit
 
-    make_arith(args.out_dir)
-    print(f"wrote {args.out_dir}/train.jsonl and test.jsonl")
+    if args.task == "make-arith":
+        make_arith(args.out_dir, seed=args.seed)
+        print(f"wrote {args.out_dir}/train.jsonl and test.jsonl")
+        return 0
+    sizes = {k: getattr(args, k) for k in ("n_sft", "n_train", "n_test_per_digits", "sft_max_digits", "max_digits")}
+    try:
+        counts = make_multidigit(args.out_dir, seed=args.seed, **sizes)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(f"wrote {args.out_dir}/: " + ", ".join(f"{name}.jsonl ({n} rows)" for name, n in counts.items()))
     return 0
 
 
@@ -230,8 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_buffer)
 
     d = sub.add_parser("data", help="write a synthetic task")
-    d.add_argument("task", choices=["make-arith"])
+    d.add_argument("task", choices=["make-arith", "make-multidigit"])
     d.add_argument("out_dir")
+    d.add_argument("--seed", type=int, default=0, help="the split's (and problems') seed")
+    d.add_argument("--n-sft", type=int, default=20000, help="make-multidigit: SFT rows (with the scratchpad)")
+    d.add_argument("--n-train", type=int, default=20000, help="make-multidigit: RL prompts")
+    d.add_argument("--n-test-per-digits", type=int, default=64,
+                   help="make-multidigit: held-out problems per first-operand length (2..max-digits)")
+    d.add_argument("--sft-max-digits", type=int, default=4, help="make-multidigit: longest first operand in SFT rows")
+    d.add_argument("--max-digits", type=int, default=5, help="make-multidigit: longest first operand in RL and test")
     d.set_defaults(fn=cmd_data)
     return p
 

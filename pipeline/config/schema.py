@@ -29,10 +29,11 @@ class ModelConfig:
     """Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json) of a Qwen2 / Qwen2.5,
     Qwen3, Qwen3-MoE, Llama 3.x or DeepSeek-V3 model. Null: create a randomly initialised model from `init`
     inside the run directory."""
-    init: Literal["tiny-dense", "tiny-moe", "deepseek-v3-tiny", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b",
+    init: Literal["tiny-dense", "tiny-moe", "deepseek-v3-tiny", "char-100m", "qwen3-0.5b", "qwen3-1.7b", "qwen3-4b",
                   "qwen3-moe-small", "deepseek-v3-small"] = "tiny-dense"
     """Architecture preset used when `path` is null: tiny-dense / tiny-moe / deepseek-v3-tiny (about 0.1M
-    parameters, for CPUs), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row
+    parameters, for CPUs), char-100m (104M parameters at the character tokenizer's 66-row vocabulary:
+    learning demos on a GPU, configs/multidigit-*.yaml), qwen3-0.5b / qwen3-1.7b / qwen3-4b (real sizes with Qwen's 151936-row
     vocabulary, for GPU benchmarks), qwen3-moe-small (Qwen3-30B-A3B's layers, 128 experts top-8, 9 of its
     48 layers: 6.2B parameters, sized for one H200 with engine.colocated and train.recompute_activations),
     deepseek-v3-small (DeepSeek-V3's layers at real widths: MLA, 256 experts top-8 in 8 groups, one dense
@@ -99,7 +100,7 @@ class RolloutConfig:
     rollout_seed: int = 42
     """Seed of prompt order and of every request's sampling seed (Miles: --rollout-seed)."""
     rm_type: str = "arith"
-    """Reward function: a registry name (arith, exact_match, math) or a dotted path `module:function`."""
+    """Reward function: a registry name (arith, exact_match, final_answer, math) or a dotted path `module:function`."""
     request_timeout_s: float = 120.0
     """An engine request that takes longer than this fails and is retried on another engine."""
     max_retries: int = 3

@@ -280,20 +280,31 @@ DEEPSEEK_V3_LAYER = dict(hidden_size=7168, num_attention_heads=128, num_key_valu
                          tie_word_embeddings=False, family="deepseek_v3", vocab_size=DEEPSEEK_VOCAB,
                          rope_theta=10_000.0, rms_norm_eps=1e-6)
 REAL_SIZES["deepseek-v3-small"] = dict(DEEPSEEK_V3_LAYER, num_hidden_layers=3, moe_intermediate_size=128)
+# Small models for learning demos on a GPU: Qwen3 layers at the tokenizer's own vocabulary (Lockstep's
+# character tokenizer: 66 rows, not Qwen's 151936, whose embedding alone would hold 117M parameters at
+# width 768). char-100m: hidden 768, 12 layers of 12 query / 4 KV heads of 64, MLP 3072, tied embeddings:
+# 104M parameters (configs/multidigit-*.yaml, bench/gpu_learning.py).
+CHAR_SIZES = {
+    "char-100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      head_dim=64, intermediate_size=3072),
+}
 TINY_PRESETS = ("tiny-dense", "tiny-moe", "deepseek-v3-tiny")
-PRESETS = (*TINY_PRESETS, *REAL_SIZES)
+PRESETS = (*TINY_PRESETS, *CHAR_SIZES, *REAL_SIZES)
 
 
 def model_preset(name: str, vocab_size: int, bos: int | None, eos: int | None, pad: int | None,
                  mtp_layers: int = 0) -> ModelArgs:
     """The architecture behind `model.init`: small ones for the demo and tests (about 0.1M parameters;
-    train in seconds on a CPU) and real Qwen3 sizes for benchmarks on a GPU; `vocab_size` is the
+    train in seconds on a CPU), char-sized ones for learning demos on a GPU, and real Qwen3 sizes for benchmarks on a GPU; `vocab_size` is the
     tokenizer's, `mtp_layers` the MTP draft layers."""
     special = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, mtp_num_hidden_layers=mtp_layers)
     if name in REAL_SIZES:
         shape = {"tie_word_embeddings": True, "vocab_size": QWEN_VOCAB, "rope_theta": 1e6, **REAL_SIZES[name]}
         shape["vocab_size"] = max(vocab_size, shape["vocab_size"])
         return ModelArgs(max_position_embeddings=4096, **shape, **special)
+    if name in CHAR_SIZES:
+        return ModelArgs(vocab_size=vocab_size, tie_word_embeddings=True, rope_theta=10_000.0,
+                         max_position_embeddings=1024, **CHAR_SIZES[name], **special)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,

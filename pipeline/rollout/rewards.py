@@ -30,6 +30,13 @@ def exact_match_reward(response: str, label: Any, metadata: dict) -> float:
     return 1.0 if response.strip() == str(label).strip() else 0.0
 
 
+def final_answer_reward(response: str, label: Any, metadata: dict) -> float:
+    """1 if the text after the response's last ">" is exactly the label (surrounding whitespace aside),
+    else 0: the `multidigit` task's answer after its scratchpad ("... 4+0+1=5 >5216")."""
+    head, marker, answer = response.rpartition(">")
+    return 1.0 if marker and answer.strip() == str(label).strip() else 0.0
+
+
 def math_reward(response: str, label: Any, metadata: dict) -> float:
     """Compare the \\boxed{} answer (else the last number in the response) with the label numerically."""
     boxed = _BOXED.findall(response)
@@ -45,6 +52,7 @@ def math_reward(response: str, label: Any, metadata: dict) -> float:
 REGISTRY: dict[str, RewardFn] = {
     "arith": arith_reward,
     "exact_match": exact_match_reward,
+    "final_answer": final_answer_reward,
     "math": math_reward,
 }
 

@@ -43,6 +43,21 @@ def field_at(row: dict, key: str):
     return value
 
 
+def parse_row(line: str, input_key: str) -> tuple[str | None, dict | None, Any]:
+    """(why the JSONL line is unusable, or None; the row; its `input_key` field). The reasons are short
+    and fixed: they are counted per reason."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return "invalid JSON", None, MISSING
+    if not isinstance(row, dict):
+        return "row is not a JSON object", None, MISSING
+    raw = field_at(row, input_key)
+    if raw is MISSING:
+        return f"no {input_key!r} field", None, MISSING
+    return None, row, raw
+
+
 def is_chat(value) -> bool:
     """A list of chat messages ({"role", "content"} objects)."""
     return (isinstance(value, list) and bool(value)
@@ -112,15 +127,9 @@ class PromptDataset:
     def _parse(self, line: str, index: int) -> tuple[str | None, Prompt | None]:
         """(why the row is unusable, or None; the prompt). Reasons are short and fixed (they are counted)."""
         cfg = self.cfg
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            return "invalid JSON", None
-        if not isinstance(row, dict):
-            return "row is not a JSON object", None
-        raw = field_at(row, cfg.input_key)
-        if raw is MISSING:
-            return f"no {cfg.input_key!r} field", None
+        problem, row, raw = parse_row(line, cfg.input_key)
+        if problem:
+            return problem, None
         if is_chat(raw) or (cfg.apply_chat_template and isinstance(raw, str)):
             if not self.tokenizer.chat_template:
                 return "chat messages, but the tokenizer has no chat template", None

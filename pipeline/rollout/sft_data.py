@@ -19,13 +19,12 @@ trainer keeps in its checkpoints, so a resumed run continues mid-epoch exactly w
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from pipeline.buffer.schema import RolloutBatch, Sample
 from pipeline.config.schema import DataConfig
 from pipeline.models.tokenizer import Tokenizer
-from pipeline.rollout.data import MISSING, PromptDataset, field_at, is_chat
+from pipeline.rollout.data import MISSING, PromptDataset, field_at, is_chat, parse_row
 
 
 @dataclass
@@ -73,15 +72,9 @@ class SftDataset(PromptDataset):
     def _parse(self, line: str, index: int) -> tuple[str | None, SftExample | None]:
         """(why the row is unusable, or None; the example). Reasons are short and fixed (they are counted)."""
         cfg, tok = self.cfg, self.tokenizer
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            return "invalid JSON", None
-        if not isinstance(row, dict):
-            return "row is not a JSON object", None
-        raw = field_at(row, cfg.input_key)
-        if raw is MISSING:
-            return f"no {cfg.input_key!r} field", None
+        problem, row, raw = parse_row(line, cfg.input_key)
+        if problem:
+            return problem, None
         response = field_at(row, cfg.response_key)
         if response is MISSING and not is_chat(raw):
             return f"no {cfg.response_key!r} field (nor chat messages with assistant turns)", None

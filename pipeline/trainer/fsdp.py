@@ -8,7 +8,6 @@ weights are cast, so true on-policy mode sees the same numbers on both sides.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -28,7 +27,8 @@ from pipeline.models.decoder_layer import MoeRouting
 from pipeline.models.qwen3 import Qwen3ForCausalLM
 from pipeline.trainer.base import MtpScores
 from pipeline.trainer.batching import MicroBatch
-from pipeline.trainer.optim import adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference, step_if_finite
+from pipeline.trainer.optim import (adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference,
+                                    policy_and_critic_step)
 
 
 def full_state(model, args, dtype: torch.dtype | None = None,
@@ -272,12 +272,7 @@ class FSDPBackend:
     # ---- optimizer --------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[float, bool]:
         """Clip, step, zero. Returns (grad norm, stepped); a non-finite norm skips the update."""
-        norm = self.clip_grads(self.model)
-        stepped = step_if_finite(norm, self.optimizer, self.scheduler)
-        if self.critic is not None:  # PPO: the critic steps with the policy, on its own clip norm
-            cnorm = self.clip_grads(self.critic) if stepped else math.nan
-            step_if_finite(cnorm, self.critic_optimizer)
-        return norm, stepped
+        return policy_and_critic_step(self, self.clip_grads)
 
     def clip_grads(self, model: torch.nn.Module) -> float:
         """Clip `model`'s gradients to train.clip_grad by their global norm; the norm before."""

@@ -78,3 +78,15 @@ def step_if_finite(norm: float, optimizer: torch.optim.Optimizer, scheduler=None
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return stepped
+
+
+def policy_and_critic_step(backend, clipped_norm) -> tuple[float, bool]:
+    """One update of the policy (and, under PPO, the critic on its own clip norm, only when the policy
+    stepped): `clipped_norm(model)` reduces and clips a model's gradients and returns the norm before.
+    Returns (policy grad norm, stepped); a non-finite norm skips the update (step_if_finite)."""
+    norm = clipped_norm(backend.model)
+    stepped = step_if_finite(norm, backend.optimizer, backend.scheduler)
+    if backend.critic is not None:
+        cnorm = clipped_norm(backend.critic) if stepped else math.nan
+        step_if_finite(cnorm, backend.critic_optimizer)
+    return norm, stepped

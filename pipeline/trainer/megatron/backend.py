@@ -37,7 +37,8 @@ from pipeline.models.hf_io import read_model_args, read_state_dict
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.trainer.batching import MicroBatch
 from pipeline.trainer.megatron import stages
-from pipeline.trainer.optim import adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference, step_if_finite
+from pipeline.trainer.optim import (adamw, int4_scale_dtype, lr_scheduler, needs_critic, needs_reference,
+                                    policy_and_critic_step)
 
 
 class RankNamed(nn.Module):
@@ -250,12 +251,7 @@ class MegatronBackend:
     # ---- optimizer --------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[float, bool]:
         """Sum gradients over the data-parallel groups, clip by the global norm, step, zero."""
-        norm = self.clipped_norm(self.model)
-        stepped = step_if_finite(norm, self.optimizer, self.scheduler)
-        if self.critic is not None:  # PPO: the critic steps with the policy, on its own clip norm
-            cnorm = self.clipped_norm(self.critic) if stepped else math.nan
-            step_if_finite(cnorm, self.critic_optimizer)
-        return norm, stepped
+        return policy_and_critic_step(self, self.clipped_norm)
 
     def clipped_norm(self, model: nn.Module) -> float:
         """Reduce `model`'s gradients, clip them to train.clip_grad by the global norm; the norm before."""

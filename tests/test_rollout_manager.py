@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -98,7 +99,11 @@ def test_remote_reward_model_over_http(tmp_path):
                        "global_batch_size=128", f"rollout.rm_type=remote:{url}", "--no-progress")
         assert res.returncode == 0, res.stderr[-3000:]
         batch = BufferReader(RunDir(tmp_path / "run").buffer).read_step(0)
-        assert "length" in batch.reward_components and batch.reward_components["length"].max() > 0
+        length = batch.reward_components["length"]
+        # every scored sample carries the model's extra field; aborted ones (over-sampling) were never
+        # scored and store NaN (no value), not 0
+        scored = batch.status != SampleStatus.ABORTED
+        assert np.isfinite(length[scored]).all() and length[scored].max() > 0 and np.isnan(length[~scored]).all()
         assert set(np.unique(batch.rewards)) <= {0.0, 1.0}
     finally:
         server.shutdown()
@@ -117,3 +122,41 @@ def test_tiny_recipe_learns_in_each_mode(tmp_path, mode):
     assert last > first + 0.3, (mode, first, last)
     lag = [r["weights/version"] - 1 - r["rollout/weight_version_min"] for r in records[5:]]
     assert max(lag) == {"sync": 0, "one_step_off": 1, "fully_async": 2}[mode] or (mode == "fully_async" and max(lag) >= 1)
+
+
+def test_remote_reward_retries_transient_failures_and_gives_up_on_others():
+    """A reward server that answers 503 twice, then scores: the sample is scored (retried with backoff);
+    a 400 is not retried, and a server that keeps failing fails the call after `attempts`."""
+    from pipeline.rollout.rewards import RemoteReward
+
+    calls = {"n": 0}
+
+    class Flaky(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls["n"] += 1
+            code = 400 if "bad" in self.path else (503 if calls["n"] <= 2 or "down" in self.path else 200)
+            out = json.dumps({"score": 1.0, "length": 3.0}).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert RemoteReward(f"{base}/score", backoff_s=0.01)("7", 7, {}) == {"score": 1.0, "length": 3.0}
+        assert calls["n"] == 3
+        calls["n"] = 10
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            RemoteReward(f"{base}/bad", backoff_s=0.01)("7", 7, {})
+        assert calls["n"] == 11  # not retried
+        with pytest.raises(urllib.error.HTTPError, match="503"):
+            RemoteReward(f"{base}/down", attempts=3, backoff_s=0.01)("7", 7, {})
+        assert calls["n"] == 14
+    finally:
+        server.shutdown()

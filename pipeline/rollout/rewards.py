@@ -59,23 +59,47 @@ REGISTRY: dict[str, RewardFn] = {
 
 class RemoteReward:
     """A reward model behind HTTP: POST {"response", "label", "metadata"} -> {"score": float, ...}.
-    Selected with rm_type "remote:http://host:port/path"; extra keys come back as named components."""
+    Selected with rm_type "remote:http://host:port/path"; extra keys come back as named components.
 
-    def __init__(self, url: str, timeout_s: float = 60.0, api_key: str | None = None):
+    The rollout manager scores every sample as it finishes, from many threads: at most
+    `max_concurrency` requests are open at once (a server's accept backlog is small: 128 simultaneous
+    connections to a plain threading server were reset), and a connection that is refused or reset, a
+    timeout or an HTTP 429/5xx is retried `attempts` times with backoff before the sample fails."""
+
+    RETRY_STATUS = (429, 500, 502, 503, 504)
+
+    def __init__(self, url: str, timeout_s: float = 60.0, api_key: str | None = None, max_concurrency: int = 16,
+                 attempts: int = 4, backoff_s: float = 0.2):
+        import threading
+
         self.url, self.timeout_s, self.api_key = url, timeout_s, api_key
+        self.attempts, self.backoff_s = attempts, backoff_s
+        self.slots = threading.BoundedSemaphore(max_concurrency)
 
     def __call__(self, response: str, label: Any, metadata: dict):
         import json
+        import time
+        import urllib.error
         import urllib.request
 
         body = json.dumps({"response": response, "label": label, "metadata": metadata}).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            out = json.loads(resp.read())
-        return out if isinstance(out, dict) else float(out)
+        for attempt in range(self.attempts):
+            req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+            try:
+                with self.slots, urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    out = json.loads(resp.read())
+                return out if isinstance(out, dict) else float(out)
+            except urllib.error.HTTPError as e:
+                if e.code not in self.RETRY_STATUS or attempt + 1 == self.attempts:
+                    raise
+            except (ConnectionError, TimeoutError, urllib.error.URLError):
+                if attempt + 1 == self.attempts:
+                    raise
+            time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
 
 
 def resolve_reward(name: str) -> RewardFn:

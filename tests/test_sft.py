@@ -227,7 +227,7 @@ def test_sft_run_on_chat_rows_learns_without_engines(tmp_path, tok):
 
 @pytest.mark.slow
 def test_sft_kill_and_resume_mid_epoch_is_bit_identical(tmp_path):
-    """A run SIGKILLed inside a checkpoint save (after the step-4 one, mid-epoch: 64 of 55 rows) and
+    """A run SIGKILLed inside a checkpoint save (after the step-4 one, mid-epoch: row 64 is the 20th of the second pass over 44) and
     rerun resumes from the data cursor and ends with the same weights and losses as an uninterrupted run."""
     common = ["num_rollout=10", "checkpoint.save_interval=2", "logging.plot=false", "--no-progress"]
     res = lockstep("run", "configs/sft-tiny.yaml", f"run_dir={tmp_path}/a", *common)
@@ -238,7 +238,7 @@ def test_sft_kill_and_resume_mid_epoch_is_bit_identical(tmp_path):
                          env=dict(os.environ, LOCKSTEP_FAULTS="slow_checkpoint=6:60"))
     assert wait_until(lambda: os.path.exists(os.path.join(c.checkpoints, ".step_000006.tmp")), 120)
     state = json.load(open(os.path.join(c.checkpoints, "step_000004", "trainer_state.json")))
-    assert state["data"] == {"cursor": 64, "rows": 55}
+    assert state["data"] == {"cursor": 64, "rows": 44}  # data/arith/train.jsonl: 44 sums
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert wait_until(lambda: not procs_of(c.root), 30)

@@ -8,6 +8,8 @@ hook is a no-op dictionary lookup):
                            it is committed
   engine_update_delay_s=S  engine: sleep S seconds before joining each weight-update broadcast
   engine_exit_at_request=N engine: exit (status 43) when its N-th /generate request arrives
+  engine_decode_delay_s=S   engine: sleep S seconds before each decode step (requests stay in flight long
+                           enough for an over-sampled step to abort them mid-turn)
   engine_router_jitter=EPS engine: add EPS x N(0, 1) to the MoE router's logits, so its live routing
                            differs from the trainer's for some tokens, as a GPU engine's does (a CPU's
                            bf16 kernels may happen to agree)

@@ -4,6 +4,7 @@ partial rollouts that resume a half-finished trajectory, and a multi-turn MoE ru
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -283,7 +284,10 @@ def test_multiturn_moe_run_with_r3_is_bit_exact_and_resumes_partials(tmp_path):
                    "rollout.mask_offpolicy_in_partial_rollout=true",
                    "rollout.n_samples_per_prompt=4",
                    "train.global_batch_size=24", "engine.max_running_requests=8", "checkpoint.export_hf=false",
-                   "logging.plot=false", "--no-progress")
+                   "logging.plot=false", "--no-progress",
+                   # decoding slowed so the step's quota is reached while trajectories are mid-turn (on a
+                   # loaded machine every group could otherwise finish before the abort: no resume to test)
+                   env=dict(os.environ, LOCKSTEP_FAULTS="engine_decode_delay_s=0.01"))
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_metrics(str(run))
     assert len(records) == 6

@@ -156,6 +156,7 @@ class Engine:
         self.flat_weights = flatten_parameters(self.model)
         self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
         self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise
+        self.decode_delay_s = faults.seconds("engine_decode_delay_s")  # a fault: slow decoding; 0 otherwise
         self.device, self.dtype = device, dtype
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
@@ -376,6 +377,8 @@ class Engine:
         when a request may reach its length limit with the step before (its row would run past it);
         when a request stops on a stop token, the step launched after it is read back at once (its
         row is discarded) and the finished requests leave the batch with nothing in flight."""
+        if self.decode_delay_s:
+            time.sleep(self.decode_delay_s)
         prev = self.pending
         if prev is not None and not self._can_run_ahead(self.running):
             self._drain()

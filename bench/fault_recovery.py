@@ -31,12 +31,7 @@ FAULTS = ["engine_killed", "trainer_rank_killed", "engine_hung", "preempted", "a
 
 def up(rundir: RunDir) -> dict | None:
     """The current attempt's start event once every component beats."""
-    starts = [e for e in rundir.read_events() if e.get("event") == "start"]
-    beats = rundir.heartbeats()
-    names = ("engine_0", "trainer_0", "rollout")
-    if starts and all(n in beats and starts[-1]["time"] < beats[n]["beat"] > time.time() - 4 for n in names):
-        return starts[-1]
-    return None
+    return rundir.running_attempt(("engine_0", "trainer_0", "rollout"), fresh_s=4)
 
 
 def wait(pred, timeout: float, what: str):

@@ -40,12 +40,7 @@ def steps_done(run_dir) -> int:
 
 def running_attempt(rundir: RunDir) -> dict | None:
     """The last start event, if its components are beating (the attempt is up)."""
-    starts = [e for e in rundir.read_events() if e.get("event") == "start"]
-    beats = rundir.heartbeats()
-    names = ("engine_0", "trainer_0", "rollout")
-    if starts and all(n in beats and starts[-1]["time"] < beats[n]["beat"] > time.time() - 6 for n in names):
-        return starts[-1]
-    return None
+    return rundir.running_attempt(("engine_0", "trainer_0", "rollout"), fresh_s=6)
 
 
 def inject(fault: str, rundir: RunDir, job: str, rng: random.Random, downed: list[str]) -> str:

@@ -175,3 +175,17 @@ def test_heartbeats_name_their_node_and_go_silent_when_stopped(tmp_path, monkeyp
     done = Heartbeat(rd, "rollout", interval_s=0.05).start()
     done.end()  # a component that finished its work withdraws its heartbeat: no hang to find
     assert list(rd.heartbeats()) == ["engine_1"]
+
+
+def test_running_attempt_is_the_last_start_once_every_component_beats_after_it(tmp_path):
+    from pipeline.run.heartbeat import Heartbeat
+
+    rundir = RunDir(tmp_path)
+    rundir.append_event({"event": "start", "attempt": 1, "time": time.time() - 100})
+    Heartbeat(rundir, "a", 1.0).beat()
+    assert rundir.running_attempt(("a", "b"), fresh_s=5) is None  # b has not beaten
+    Heartbeat(rundir, "b", 1.0).beat()
+    assert rundir.running_attempt(("a", "b"), fresh_s=5)["attempt"] == 1
+    rundir.append_event({"event": "start", "attempt": 2, "time": time.time() + 1})
+    assert rundir.running_attempt(("a", "b"), fresh_s=5) is None  # the beats are older than attempt 2
+    assert rundir.running_attempt(("a",), fresh_s=0) is None  # not fresh

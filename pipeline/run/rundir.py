@@ -374,6 +374,16 @@ class RunDir:
         with open(self.events) as f:
             return [json.loads(line) for line in f if line.strip().endswith("}")]
 
+    def running_attempt(self, components: tuple[str, ...], fresh_s: float) -> dict | None:
+        """The last `start` event, once every one of `components` has beaten since it and within the last
+        `fresh_s` seconds (the attempt is up); None before that."""
+        starts = [e for e in self.read_events() if e.get("event") == "start"]
+        beats = self.heartbeats()
+        if starts and all(n in beats and starts[-1]["time"] < beats[n]["beat"] > time.time() - fresh_s
+                          for n in components):
+            return starts[-1]
+        return None
+
     # ---- (re)starting a run in this directory --------------------------------------------------------
     def reset_control(self) -> None:
         """Clear step requests, STOP and stale addresses before (re)starting a run in this directory."""

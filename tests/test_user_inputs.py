@@ -140,3 +140,25 @@ def test_the_launchers_checks_do_not_import_torch(dense_dir, tmp_path):
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_gpus_are_found_with_one_nvidia_smi_call(tmp_path, monkeypatch):
+    """The launcher asks nvidia-smi once for both questions (is there a GPU, how much memory has GPU 0);
+    a failing nvidia-smi means no GPU."""
+    from pipeline.config import load_config
+    from pipeline.launch import prepare
+
+    calls = tmp_path / "calls"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho x >> {calls}\nprintf '143771\\n143771\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    prepare._nvidia_gpu_gib.cache_clear()
+    cfg = load_config(None, ["train.device=auto"])
+    assert prepare._gpu_visible(cfg) and abs(prepare._detected_gpu_gib() - 143771 / 1024) < 1e-9
+    assert calls.read_text().count("x") == 1
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    prepare._nvidia_gpu_gib.cache_clear()
+    assert not prepare._gpu_visible(cfg)
+    prepare._nvidia_gpu_gib.cache_clear()

@@ -9,6 +9,7 @@ creates the starting model when none is given, and writes the resolved config ev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -147,28 +148,34 @@ def _gpu_visible(cfg: RunConfig) -> bool:
         return False  # only explicit devices: local_placement does not ask
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        return out.returncode == 0 and any(line.startswith("GPU ") for line in out.stdout.splitlines())
+    if shutil.which("nvidia-smi"):
+        return bool(_nvidia_gpu_gib())
     return os.path.exists("/dev/kfd")  # ROCm
+
+
+@functools.cache
+def _nvidia_gpu_gib() -> tuple[float, ...]:
+    """Each GPU's memory as nvidia-smi lists them (GPU 0 first); () without nvidia-smi or when it fails.
+    One call serves both the GPU check and the memory check of a start."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ()
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            return ()
+        return tuple(float(line) / 1024 for line in out.stdout.split())  # MiB
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return ()
 
 
 def _detected_gpu_gib() -> float | None:
     """GPU 0's memory (where engines and trainer rank 0 meet): from nvidia-smi when there is one (no
     torch import in the launcher: ~3 s of every start-up on an H200), else from torch."""
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True, timeout=30)
-            if out.returncode == 0 and out.stdout.strip():
-                return float(out.stdout.split()[0]) / 1024  # MiB
-        except (OSError, subprocess.TimeoutExpired, ValueError):
-            pass
+    gpus = _nvidia_gpu_gib()
+    if gpus:
+        return gpus[0]
     import torch
 
     if not torch.cuda.is_available():

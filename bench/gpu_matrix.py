@@ -20,10 +20,8 @@ GiB), and the largest trainer-engine logprob difference.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -55,12 +53,14 @@ MODES = {
     "fp8_sync": ["weights.quantization=fp8", "engine.quantization=fp8", "algo.off_policy_correction=tis"],
     "megatron": ["train.backend=megatron"],
     "r3": ["determinism.routing_replay=true"],
+    # what a MoE user runs for bit-exact training: true on-policy with the engine's routing replayed
+    "true_on_policy_r3": ["determinism.true_on_policy=true", "determinism.routing_replay=true"],
     # Colocated weight sync of a MoE's ~3,500 tensors (12.7 s per sync per tensor on 2026-12-04): short
     # rollouts so the cell is about the sync, one handle per bucket (the default) vs one per tensor.
     "sync_flattened": [*SYNC_CELL, "weights.tensor_format=flattened"],
     "sync_per_tensor": [*SYNC_CELL, "weights.tensor_format=per_tensor"],
 }
-MOE_ONLY = {"r3", "sync_flattened", "sync_per_tensor"}
+MOE_ONLY = {"r3", "true_on_policy_r3", "sync_flattened", "sync_per_tensor"}
 
 GPU_CONFIG = "configs/bench-0.5b.yaml"  # GRPO, no entropy bonus, no KL: what a real-size recipe runs
 TINY_CONFIG = "configs/tiny.yaml"
@@ -184,6 +184,11 @@ def _measurements(records: list[dict], run_dir: str) -> dict:
         "trainer_peak_allocated_gib": peak("perf/trainer_peak_allocated_gib"),
         "max_logprob_diff": max(r.get("train/rollout_logprob_max_abs_diff") or 0.0 for r in records),
         "mean_logprob_diff": sum(r.get("train/rollout_logprob_abs_diff") or 0.0 for r in records) / len(records),
+        # MoE: the routing the trainer trained with vs the engine's (0 under R3), and its own live routing
+        "max_routing_mismatch": max((r["train/routing_mismatch_frac"] for r in records
+                                     if "train/routing_mismatch_frac" in r), default=None),
+        "max_routing_live_mismatch": max((r["train/routing_live_mismatch_frac"] for r in records
+                                          if "train/routing_live_mismatch_frac" in r), default=None),
     }
 
 

@@ -19,7 +19,8 @@ import pytest
 from pipeline.buffer.reader import BufferReader
 from pipeline.launch.slurm.follow import describe
 from pipeline.launch.slurm.jobctl import job_state, parse_node_events, parse_states, torn
-from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, safe_exclusions
+from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, SparePool, safe_exclusions
+from pipeline.launch.slurm.steps import relocate
 from pipeline.launch.slurm.templates import reference_scripts
 from pipeline.observability.status import status
 from pipeline.observability.metrics import read_metrics
@@ -106,6 +107,8 @@ def test_dry_run_writes_the_exact_script(tmp_path):
     (["--cluster", "local"], "slurm.trainer.gpus_per_node = 8 but profile 'local' has 0 GPUs per node"),
     (["slurm.mode=bogus"], "'bogus' is not one of"),
     (["weights.type=tensor"], "weights.type=tensor hands CUDA IPC handles to engines on trainer rank 0's node"),
+    (["slurm.mode=colocated", "slurm.trainer.spare_nodes=1"], "a colocated job's engines must stay on its trainer's nodes"),
+    (["slurm.rollout.spare_nodes=-1"], "spare_nodes (-1) must be >= 0"),
 ])
 def test_bad_requests_refused_before_submission(tmp_path, overrides, fragment):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", *overrides)
@@ -157,6 +160,45 @@ def test_recovery_restarts_then_requeues_without_the_node_then_gives_up():
     assert safe_exclusions(["n1"], partition_nodes=0, needed_nodes=2) == []
 
 
+def test_a_bad_nodes_steps_move_to_one_spare_until_none_is_left():
+    pools = {"rollout": SparePool(["n2", "n3", "n4"], needed=1)}  # slurm.rollout: nodes 1, spare_nodes 2
+    policy = RecoveryPolicy(engine_restarts=3, restarts=2, attempt=1, max_attempts=2, pools=pools)
+    # the node went down: every step on it (two engines, the rollout manager) moves to the same spare
+    for step in ("engine_0", "engine_1", "rollout"):
+        action, why = policy.decide(Failure(step, "n2", "node failure", node_down=True))
+        assert (action, why) == (Action.MOVE, "node n2 down: to spare node n3"), step
+    assert pools["rollout"].where("n2") == "n3" and policy.used["engine_0"] == 0  # a move is not a restart
+    # an ordinary crash on the spare restarts in place; a second one there moves on to the last spare
+    assert policy.decide(Failure("engine_0", "n3", "exit status 137"))[0] is Action.RESTART
+    assert policy.decide(Failure("engine_0", "n3", "exit status 137")) == (Action.MOVE, "second failure on node n3: to spare node n4")
+    assert pools["rollout"].where("n2") == "n4" and pools["rollout"].bad == {"n2", "n3"}
+    action, why = policy.decide(Failure("engine_1", "n4", "node failure", node_down=True))
+    assert action is Action.REQUEUE and why == "node n4 down, no spare node left"
+    # the trainer has no spare: a node failure under it requeues the job without the node
+    action, why = policy.decide(Failure("trainer", "n1", "node failure", node_down=True))
+    assert action is Action.REQUEUE and why == "node n1 down" and policy.exclude(Failure("trainer", "n1", "")) == ["n1", "n2", "n3", "n4"]
+
+
+def test_a_moved_step_is_pinned_to_its_spare_or_kept_off_bad_nodes():
+    engine = ["srun", "--het-group=1", "--nodes=1", "--relative=1", "--kill-on-bad-exit=1", "python3", "-m",
+              "pipeline.launch.component", "engine", "--index", "1"]
+    assert relocate(engine, node="n4") == ["srun", "--het-group=1", "--nodes=1", "--kill-on-bad-exit=1", "--nodelist=n4",
+                                           *engine[5:]]
+    assert relocate(relocate(engine, node="n4"), node="n5")[4:6] == ["--nodelist=n5", "python3"]
+    trainer = ["srun", "--nodes=2", "--ntasks=16", "apptainer", "exec", "img.sif", "python3", "--exclude=x"]
+    assert relocate(trainer, exclude=["n3", "n1"]) == ["srun", "--nodes=2", "--ntasks=16", "--exclude=n1,n3", *trainer[3:]]
+
+
+def test_spare_nodes_are_asked_for_and_the_job_survives_a_node(tmp_path):
+    res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", "slurm.rollout.spare_nodes=1",
+                   "--dry-run")
+    assert res.returncode == 0, res.stderr
+    rollout = res.stdout.split("#SBATCH hetjob")[1]
+    assert "#SBATCH --nodes=2\n" in rollout and "#SBATCH --no-kill" in rollout  # 1 node + 1 spare
+    assert "--no-kill" not in res.stdout.split("#SBATCH hetjob")[0]
+    assert "srun --het-group=1 --nodes=1 --ntasks=1 --ntasks-per-node=1 --relative=0" in rollout  # engines on node 0
+
+
 def test_follower_lines_and_status_table(tmp_path):
     rd = RunDir(tmp_path)
     events = [{"event": "start", "job": "5", "attempt": 1, "max_attempts": 4, "resume_step": 0, "nodes": {"0": "n1", "1": "n2"}},
@@ -170,6 +212,9 @@ def test_follower_lines_and_status_table(tmp_path):
     assert [e["event"] for e in rd.read_events()] == [e["event"] for e in events]
     lines = [describe(e) for e in rd.read_events()]
     assert lines[1] == "engine_0 failed on n2 (exit status 137): restarted in place (restart 1/3)"
+    move = {"event": "failure", "job": "5", "attempt": 1, "component": "engine_0", "node": "n2", "reason": "node failure",
+            "action": "move", "why": "node n2 down: to spare node n4", "to": "n4", "step": 3}
+    assert describe(move) == "engine_0 failed on n2 (node failure): restarted on spare node n4 (node n2 down: to spare node n4)"
     assert lines[3] == "job 5 requeued (attempt 2/4), resuming from step 60"
     text = status(str(tmp_path))
     assert "1        5" in text and "trainer=n1 rollout=n2" in text and "ended by Slurm" in text
@@ -269,6 +314,39 @@ def test_unrecoverable_failure_requeues_the_job_without_its_node(slurm, tmp_path
     assert [s["attempt"] for s in starts] == [1, 2] and starts[0]["nodes"]["1"] == "n2" and starts[1]["nodes"]["1"] != "n2"
     assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(14))
     assert "requeued by the driver: engine_0 failed on n2 (exit status 137); excluded n2" in lockstep("status", str(run_dir)).stdout
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_node_down_under_an_engine_moves_it_to_a_spare_node(slurm, tmp_path):
+    """Paired jobs, the rollout job on 2 nodes + 1 spare (engine_1 on its second node: the first runs the
+    job's driver, whose loss ends the job): that node taken down mid-run, engine_1 restarts on the spare
+    inside the same allocation (srun reports the node failure with exit status 0); no requeue, every
+    step once, the moved engine caught up with the trainer's weights. cpus_per_task keep the trainer
+    job off the rollout job's nodes (the fake nodes have 4 CPUs)."""
+    run_dir = tmp_path / "run"
+    p = submit_bg(run_dir, "num_rollout=10", "slurm.mode=paired", "engine.num_engines=2", "slurm.rollout.nodes=2",
+                  "slurm.rollout.spare_nodes=1", "slurm.trainer.cpus_per_task=3", "determinism.true_on_policy=true")
+    assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
+    beats = RunDir(run_dir).heartbeats()
+    node = beats["engine_1"]["node"]
+    assert node not in (beats["engine_0"]["node"], beats["trainer_0"]["node"]), beats
+    subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"], check=True)
+    try:
+        out, err = p.communicate(timeout=400)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    events = RunDir(run_dir).read_events()
+    moves = [e for e in events if e.get("event") == "failure"]
+    assert [(e["component"], e["node"], e["action"]) for e in moves] == [("engine_1", node, "move")], events
+    spare = moves[0]["to"]
+    assert f"engine_1 failed on {node} (node failure): restarted on spare node {spare} (node {node} down" in err, err
+    assert RunDir(run_dir).heartbeats()["engine_1"]["node"] == spare != node
+    assert not [e for e in events if e["event"] in ("requeue", "interrupted")], events
+    records = read_metrics(str(run_dir))
+    assert [r["step"] for r in records] == list(range(10))
+    assert max(r["train/rollout_logprob_max_abs_diff"] for r in records) == 0.0
 
 
 @pytest.mark.slurm

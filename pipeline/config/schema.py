@@ -723,11 +723,16 @@ class SlurmGroupConfig:
     """Slurm partition; null takes the cluster profile's default."""
     mem_gb: float | None = None
     """Memory per node in GB; null takes the partition default."""
+    spare_nodes: int = 0
+    """Extra nodes this component holds beyond `nodes` (the job asks for nodes + spare_nodes, with
+    --no-kill): a step whose node went down, or failed twice, restarts on a spare inside the allocation
+    instead of the job being requeued. hetjob and paired modes (Slurm 22.05 still requeues a whole
+    heterogeneous job when one of its nodes goes down; a paired job keeps running)."""
 
     def __post_init__(self):
         _positive("slurm group", nodes=self.nodes, tasks_per_node=self.tasks_per_node, cpus_per_task=self.cpus_per_task)
-        if self.gpus_per_node < 0:
-            raise ConfigError(f"gpus_per_node must be >= 0 (got {self.gpus_per_node})")
+        if self.gpus_per_node < 0 or self.spare_nodes < 0:
+            raise ConfigError(f"gpus_per_node ({self.gpus_per_node}) and spare_nodes ({self.spare_nodes}) must be >= 0")
 
 
 @dataclass

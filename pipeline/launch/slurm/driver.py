@@ -7,8 +7,10 @@ submitit pickles a `SlurmDriver` and runs it on the job's first node (or a user 
   - watches them: a step that exits with an error, or whose processes stop beating
     (run_dir/heartbeat/, faults.heartbeat_timeout_s: the step is killed first), has failed;
     recovery.py decides: restart it in place (an engine alone; the trainer from its last checkpoint;
-    the rollout manager after its last committed step), requeue the job without the node it failed
-    on, or end the job naming it (and, paired, tell the partner job through run_dir/control/FAILED);
+    the rollout manager after its last committed step), move it to a spare node of its component
+    when its node went down or failed twice (slurm.<component>.spare_nodes; srun reports a node
+    failure with exit status 0, so the step's log is read too), requeue the job without the node it
+    failed on, or end the job naming it (and, paired, tell the partner job through run_dir/control/FAILED);
   - on USR2 (pre-emption or the time limit coming, `--signal=B:USR2@N`) asks the trainer to
     checkpoint at its next step boundary, waits for it, stops the components and lets submitit
     requeue the job; the requeued job resumes from the run directory;
@@ -37,8 +39,8 @@ from pipeline.errors import ComponentFailed
 from pipeline.launch.local import RESTART_MARK, Proc, Supervisor, tail
 from pipeline.launch.slurm import jobctl
 from pipeline.launch.slurm.profile import load_profile
-from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, safe_exclusions
-from pipeline.launch.slurm.steps import plan_steps, step_group
+from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, SparePool, component_of, safe_exclusions
+from pipeline.launch.slurm.steps import plan_steps, relocate, step_group
 from pipeline.observability.metrics import read_metrics
 from pipeline.run import RunDir
 from pipeline.run.heartbeat import silent
@@ -51,6 +53,7 @@ except ImportError:  # pragma: no cover
     Checkpointable, DelayedSubmission = object, None
 
 SRUN_TASK_ERROR = re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: ", re.M)
+NODE_FAILURE = re.compile(r"^srun: error: Node failure on (\S+)", re.M)
 
 
 class JobEnding(Exception):
@@ -78,7 +81,7 @@ class SlurmDriver(Checkpointable):
             self.rundir.clear_heartbeats(side)  # paired: the partner job's stay
         self.policy = RecoveryPolicy(engine_restarts=cfg.engine.max_restarts, restarts=cfg.slurm.max_restarts,
                                      attempt=self.attempt, max_attempts=1 + cfg.slurm.max_requeues,
-                                     node_failures=self.earlier_node_failures())
+                                     node_failures=self.earlier_node_failures(), pools=self.spare_pools())
         self.record_start()
         env = {k: str(v) for k, v in profile.env.items()}
         env["LOCKSTEP_BIND"] = profile.bind
@@ -123,7 +126,7 @@ class SlurmDriver(Checkpointable):
             self.kill_silent()
             for name, p in self.procs.items():
                 rc = p.popen.poll()
-                if rc not in (None, 0):
+                if rc not in (None, 0) or (rc == 0 and self.node_failure(p)):
                     time.sleep(1.0)  # Slurm ending the job kills the steps and signals us at about the same time
                     if self.ending:
                         raise JobEnding()
@@ -147,13 +150,29 @@ class SlurmDriver(Checkpointable):
             log.warning("%s: killing step %s", self.hung[step], step)
             abort_step(p)
 
+    def node_failure(self, p: Proc) -> str | None:
+        """The node Slurm lost under this step since its last start (srun then exits 0), if any."""
+        m = NODE_FAILURE.search(tail(p.log_path, 200).rsplit(RESTART_MARK, 1)[-1])
+        return m.group(1) if m else None
+
     def recover(self, step: str, p: Proc, rc: int) -> None:
-        f = Failure(step, self.node_of(step, p), self.hung.pop(step, None) or f"exit status {rc}")
+        down = self.node_failure(p)
+        if down:
+            self.hung.pop(step, None)
+            f = Failure(step, down, "node failure", node_down=True)
+        else:
+            f = Failure(step, self.node_of(step, p), self.hung.pop(step, None) or f"exit status {rc}")
         action, why = self.policy.decide(f)
         event = {"event": "failure", "job": self.job, "attempt": self.attempt, "component": f.step, "node": f.node,
                  "reason": f.reason, "action": action.value, "why": why, "step": self.last_step()}
         log.warning("%s failed on %s (%s): %s (%s)", f.step, f.node or "?", f.reason, action.value, why)
-        if action is Action.RESTART:
+        if action is Action.MOVE:
+            pool = self.policy.pools[component_of(f.step)]
+            # an engine is pinned to its node's replacement; the other steps keep off every bad node
+            p.cmd = (relocate(p.cmd, node=pool.where(f.node)) if f.step.startswith("engine")
+                     else relocate(p.cmd, exclude=sorted(pool.bad)))
+            event["to"] = pool.where(f.node)
+        if action in (Action.RESTART, Action.MOVE):
             event["resume_step"] = self.prepare_restart(f.step)
             self.rundir.append_event(event)
             self.sup.restart(p, f.reason)
@@ -179,7 +198,7 @@ class SlurmDriver(Checkpointable):
         self.requeued = True
         self.sup.stop_all(grace_s=15)
         s = self.cfg.slurm
-        needed = s.trainer.nodes + (0 if s.mode == "colocated" else s.rollout.nodes)
+        needed = s.trainer.nodes + s.trainer.spare_nodes + (0 if s.mode == "colocated" else s.rollout.nodes + s.rollout.spare_nodes)
         exclude = safe_exclusions(self.policy.exclude(f), partition_size(), needed)
         components = [self.job] if s.mode != "hetjob" else [f"{self.job}+0", f"{self.job}+1"]
         self.rundir.append_event({"event": "requeue", "job": self.job, "attempt": self.attempt, "exclude": exclude,
@@ -202,6 +221,17 @@ class SlurmDriver(Checkpointable):
         nodelist = os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{group}" if group is not None else "SLURM_JOB_NODELIST")
         names = jobctl.expand_nodes(nodelist or "")
         return names[0] if len(names) == 1 else None
+
+    def spare_pools(self) -> dict[str, SparePool]:
+        """The components of this job that hold spare nodes: their nodes, in Slurm's order."""
+        s = self.cfg.slurm
+        pools = {}
+        for group, (name, g) in enumerate((("trainer", s.trainer), ("rollout", s.rollout))):
+            if not g.spare_nodes or self.role not in ("all", name):
+                continue
+            var = f"SLURM_JOB_NODELIST_HET_GROUP_{group}" if s.mode == "hetjob" else "SLURM_JOB_NODELIST"
+            pools[name] = SparePool(jobctl.expand_nodes(os.environ.get(var, "")), needed=g.nodes)
+        return pools
 
     def log_name(self, step: str) -> str:
         return "trainer_0" if step == "trainer" else step

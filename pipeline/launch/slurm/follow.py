@@ -38,6 +38,9 @@ def describe(e: dict) -> str | None:
         if e["action"] == "restart":
             resume = f", resuming from step {e['resume_step']}" if e.get("resume_step") is not None else ""
             return f"{head}: restarted in place ({e['why']}){resume}"
+        if e["action"] == "move":
+            resume = f", resuming from step {e['resume_step']}" if e.get("resume_step") is not None else ""
+            return f"{head}: restarted on spare node {e['to']} ({e['why']}){resume}"
         if e["action"] == "requeue":
             return f"{head}: requeueing the job ({e['why']})"
         return f"{head}: giving up ({e['why']})"

@@ -51,6 +51,11 @@ def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
     if s.mode != "colocated" and s.rollout.gpus_per_node and s.rollout.tasks_per_node * tp > s.rollout.gpus_per_node:
         raise UserError(f"slurm.rollout: {s.rollout.tasks_per_node} engines per node x engine.tp_size {tp} GPUs"
                         f" > gpus_per_node {s.rollout.gpus_per_node}: lower tasks_per_node or tp_size")
+    spares = {name: g.spare_nodes for name, g in (("trainer", s.trainer), ("rollout", s.rollout)) if g.spare_nodes}
+    if spares and s.mode == "colocated":
+        raise UserError(f"slurm spare nodes ({', '.join(f'slurm.{k}.spare_nodes={v}' for k, v in spares.items())}) take"
+                        " the steps of a failed node in hetjob or paired mode; a colocated job's engines must stay on"
+                        " its trainer's nodes: set them to 0, or use slurm.mode=hetjob")
     for comp in components(cfg, profile):
         g = comp.group
         if g.gpus_per_node > profile.gpus_per_node:
@@ -62,8 +67,10 @@ def check_request(cfg: RunConfig, profile: ClusterProfile) -> None:
 
 def group_lines(comp: Component, cfg: RunConfig) -> list[str]:
     g, s = comp.group, cfg.slurm
-    lines = [f"#SBATCH --nodes={g.nodes}", f"#SBATCH --ntasks-per-node={g.tasks_per_node}",
+    lines = [f"#SBATCH --nodes={g.nodes + g.spare_nodes}", f"#SBATCH --ntasks-per-node={g.tasks_per_node}",
              f"#SBATCH --cpus-per-task={g.cpus_per_task}"]
+    if g.spare_nodes:
+        lines.append("#SBATCH --no-kill")  # a node going down leaves the job running: the driver moves its steps
     if comp.partition:
         lines.append(f"#SBATCH --partition={comp.partition}")
     if g.gpus_per_node:

@@ -4,6 +4,9 @@
   engine_<i>   one step per engine, so a dead engine is restarted alone (`--relative` places it on
                its node of the component)
   rollout      the rollout manager
+
+A step moved off a bad node (recovery.py: a spare node) runs the same line with its placement changed
+(`relocate`): an engine pinned to its spare (--nodelist), other steps kept off the bad nodes (--exclude).
 """
 
 from __future__ import annotations
@@ -67,6 +70,20 @@ def plan_steps(cfg, profile: ClusterProfile, run_dir: str, role: str, mode: str,
         steps.append(("rollout", srun_command("rollout", run_dir, group=group, nodes=1, ntasks=1, ntasks_per_node=1,
                                               profile=profile, overlap=True, python=python)))
     return steps
+
+
+def relocate(argv: list[str], node: str | None = None, exclude: list[str] = ()) -> list[str]:
+    """`argv` (an srun line) placed on `node` (instead of its --relative node), or kept off `exclude`."""
+    srun, rest = [], list(argv)
+    while rest and rest[0].startswith("-") or rest[:1] == ["srun"]:  # srun's own options end at the program
+        arg = rest.pop(0)
+        if not arg.startswith(("--relative=", "--nodelist=", "--exclude=")):
+            srun.append(arg)
+    if node is not None:
+        srun.append(f"--nodelist={node}")
+    if exclude:
+        srun.append(f"--exclude={','.join(sorted(exclude))}")
+    return srun + rest
 
 
 def gpus_per_engine(cfg) -> int:

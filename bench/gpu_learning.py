@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -100,6 +101,7 @@ def recompute_pass1(samples_path: str, rm_type: str) -> dict:
 
     fn = resolve_reward(rm_type)
     by_prompt: dict[int, list[float]] = {}
+    digits: dict[int, int] = {}
     mismatched = 0
     with open(samples_path) as f:
         for line in f:
@@ -107,9 +109,14 @@ def recompute_pass1(samples_path: str, rm_type: str) -> dict:
             r = float(fn(s["response"], s["label"], {}))
             mismatched += r != s["reward"]
             by_prompt.setdefault(s["prompt_idx"], []).append(1.0 if r >= 1.0 else 0.0)
-    per_prompt = [sum(v) / len(v) for v in by_prompt.values()]
-    return {"pass@1": sum(per_prompt) / len(per_prompt), "num_prompts": len(per_prompt),
-            "num_samples": sum(len(v) for v in by_prompt.values()), "reward_mismatches": mismatched}
+            digits[s["prompt_idx"]] = len(re.match(r"\d*", s["prompt"]).group())  # the first operand's length
+    per_prompt = {i: sum(v) / len(v) for i, v in by_prompt.items()}
+    by_digits: dict[int, list[float]] = {}
+    for i, p in per_prompt.items():
+        by_digits.setdefault(digits[i], []).append(p)
+    return {"pass@1": sum(per_prompt.values()) / len(per_prompt), "num_prompts": len(per_prompt),
+            "num_samples": sum(len(v) for v in by_prompt.values()), "reward_mismatches": mismatched,
+            "pass@1_by_digits": {str(d): sum(v) / len(v) for d, v in sorted(by_digits.items())}}
 
 
 def evaluations(run_dir: str, rm_type: str) -> list[dict]:
@@ -120,6 +127,7 @@ def evaluations(run_dir: str, rm_type: str) -> list[dict]:
         m = ev.summary()["metrics"]
         mine = recompute_pass1(ev.samples(EVAL_SET), rm_type)
         out.append({"version": step, "pass@1": m[f"eval/{EVAL_SET}/pass@1"], "pass@1_recomputed": mine["pass@1"],
+                    "pass@1_by_digits": mine["pass@1_by_digits"],
                     "reward_mismatches": mine["reward_mismatches"], "num_prompts": mine["num_prompts"],
                     "num_samples": mine["num_samples"],
                     **{k.split("/")[-1]: v for k, v in m.items() if k.startswith(f"eval/{EVAL_SET}/pass@")
@@ -135,6 +143,7 @@ def rl_results(run_dir: str, rm_type: str) -> dict:
             "logprob_max_abs_diff": [r.get("train/rollout_logprob_max_abs_diff") for r in records],
             "logprob_mean_abs_diff": [r.get("train/rollout_logprob_abs_diff") for r in records],
             "response_len_mean": [r.get("rollout/response_len_mean") for r in records],
+            "zero_std_frac": [r.get("rollout/zero_std_frac") for r in records],  # groups with no GRPO signal
             "trainer_peak_gib": max((r.get("perf/trainer_peak_memory_gib") or 0.0 for r in records), default=None),
             "engine_peak_gib": max((r.get("perf/engine_peak_memory_gib") or 0.0 for r in records), default=None),
             "eval": evaluations(run_dir, rm_type) if os.path.isdir(run_dir) else [], **timing(run_dir, records)}
@@ -290,6 +299,10 @@ def _finish(results: dict, out_dir: str, rl_steps: int, failed: bool) -> int:
     for ph in results["phases"]:
         print(f"{ph['phase']:<6} {ph['wall_s']:>7.1f}s  rc {ph['rc']}" + (f"  {ph['error']}" if ph.get("error") else ""))
     print("\n".join(verdict_lines(results["verdict"])))
+    evals = results["rl"]["eval"] if results.get("rl") else []
+    if evals:  # where the gain is (or is not): per length of the first operand, first and last evaluation
+        first, last = evals[0]["pass@1_by_digits"], evals[-1]["pass@1_by_digits"]
+        print("by length         " + ", ".join(f"{d} digits {first[d]:.2f} -> {last.get(d, 0.0):.2f}" for d in first))
     print(f"results: {path} and gpu_learning.png")
     return 1 if failed else 0
 

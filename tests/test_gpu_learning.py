@@ -19,14 +19,17 @@ sys.path.insert(0, REPO)
 from bench import gpu_learning  # noqa: E402
 
 
+PROMPTS = {0: "1+2=", 1: "74+7="}
+
+
 def write_eval(run_dir: str, step: int, samples: list[tuple[int, str, str, float]], pass1: float) -> None:
     """An evaluation of weights version `step`: (prompt index, response, label, stored reward) per sample."""
     ev = RunDir(run_dir).eval_step(step)
     os.makedirs(ev.root, exist_ok=True)
     with open(ev.samples("test"), "w") as f:
         for i, (p, response, label, reward) in enumerate(samples):
-            f.write(json.dumps({"prompt_idx": p, "sample": i, "response": response, "label": label,
-                                "reward": reward}) + "\n")
+            f.write(json.dumps({"prompt_idx": p, "sample": i, "prompt": PROMPTS[p], "response": response,
+                                "label": label, "reward": reward}) + "\n")
     ev.publish_summary({"step": step, "metrics": {"eval/test/pass@1": pass1, "eval/test/pass@2": 0.0}})
 
 
@@ -43,6 +46,8 @@ def test_pass1_is_recomputed_from_the_samples_and_the_goal_checked(tmp_path):
     assert evals[0]["pass@1_recomputed"] == 0.25 and evals[0]["reward_mismatches"] == 0
     assert evals[1]["pass@1_recomputed"] == 0.75 and evals[1]["pass@1"] == 0.5 and evals[1]["reward_mismatches"] == 1
     assert evals[0]["num_prompts"] == 2 and evals[0]["num_samples"] == 4 and evals[0]["pass@2"] == 0.0
+    # per length of the first operand (prompt 0: 1 digit, prompt 1: 2)
+    assert evals[0]["pass@1_by_digits"] == {"1": 0.5, "2": 0.0} and evals[1]["pass@1_by_digits"] == {"1": 1.0, "2": 0.5}
 
     results = {"phases": [{"wall_s": 100.0}, {"wall_s": 250.5}],
                "rl": {"eval": evals, "logprob_max_abs_diff": [0.0, 0.0, 0.0]}}

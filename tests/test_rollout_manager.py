@@ -34,6 +34,18 @@ def test_filters():
 
 
 @pytest.mark.slow
+def test_zero_std_groups_counted_by_their_reward():
+    from types import SimpleNamespace as S
+
+    from pipeline.rollout.filters import zero_std_metrics
+
+    groups = [[S(reward=1.0)] * 4, [S(reward=1.0)] * 4, [S(reward=0.0)] * 4, [S(reward=0.0), S(reward=1.0)] * 2]
+    assert zero_std_metrics(groups) == {"rollout/zero_std_frac": 0.75, "rollout/zero_std/count_0.0": 1,
+                                        "rollout/zero_std/count_1.0": 2}
+    assert zero_std_metrics([[S(reward=0.5), S(reward=0.25)]]) == {"rollout/zero_std_frac": 0.0}
+    assert zero_std_metrics([]) == {"rollout/zero_std_frac": 0.0}
+
+
 def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
     run = tmp_path / "run"
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={run}", "num_rollout=8", "rollout_batch_size=6",

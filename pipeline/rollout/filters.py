@@ -7,6 +7,7 @@ names or a `module:function` path (Miles: --dynamic-sampling-filter-path).
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from typing import Callable
 
 from pipeline.errors import UserError
@@ -16,6 +17,17 @@ def nonzero_std(samples) -> bool:
     """Drop groups whose rewards are all equal: their GRPO advantages are all zero (no signal)."""
     rewards = [s.reward for s in samples]
     return max(rewards) > min(rewards)
+
+
+def zero_std_metrics(groups: list[list]) -> dict:
+    """How many of the trained groups carry no GRPO signal (all rewards equal, every advantage 0): their
+    share, and Miles' per-reward counts (`rollout/zero_std/count_1.0`: all right; `count_0.0`: all
+    wrong). A share that stays near 1 means the recipe learns nothing, however long it runs."""
+    flat = [g for g in groups if not nonzero_std(g)]
+    out = {"rollout/zero_std_frac": len(flat) / len(groups) if groups else 0.0}
+    for reward, count in sorted(Counter(float(g[0].reward) for g in flat).items()):
+        out[f"rollout/zero_std/count_{reward}"] = count
+    return out
 
 
 def keep_all(samples) -> bool:

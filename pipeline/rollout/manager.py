@@ -33,7 +33,7 @@ from pipeline.rollout.base import RolloutSample, TurnAborted
 from pipeline.rollout.client import EnginePool
 from pipeline.rollout.data import Prompt, PromptDataset
 from pipeline.rollout.evaluation import Evaluator
-from pipeline.rollout.filters import resolve_filter
+from pipeline.rollout.filters import resolve_filter, zero_std_metrics
 from pipeline.rollout.functions import resolve_generate_fn, run_generate_fn
 from pipeline.rollout.handle import PoolHandle
 from pipeline.rollout.rewards import resolve_reward, score
@@ -379,6 +379,7 @@ class RolloutManager:
         summary = self.summarize(RolloutBatch.from_samples(trained) if trained else batch, trained, elapsed)
         summary["rollout/request_retries"] = self.pool.retries  # cumulative: requests re-issued after an engine failed
         summary["data/rows_skipped"] = sum(self.dataset.stats.skipped.values())
+        summary.update(zero_std_metrics([g.samples for g in kept]))
         summary.update({"rollout/groups_kept": len(kept), "rollout/groups_filtered": len(filtered),
                         "rollout/groups_pending": len(self.pending), "rollout/groups_dropped": len(dropped),
                         "rollout/weight_version": version})

@@ -189,6 +189,26 @@ def test_a_moved_step_is_pinned_to_its_spare_or_kept_off_bad_nodes():
     assert relocate(trainer, exclude=["n3", "n1"]) == ["srun", "--nodes=2", "--ntasks=16", "--exclude=n1,n3", *trainer[3:]]
 
 
+def test_a_node_failure_counts_only_when_the_steps_current_start_saw_it(tmp_path):
+    """srun logs outlive restarts and job attempts: a "Node failure" line an earlier start of the step
+    wrote must not turn this start's ordinary end (exit 0) or crash into a node failure."""
+    from types import SimpleNamespace
+
+    from pipeline.launch.slurm.driver import SlurmDriver, log_size
+
+    log_path = tmp_path / "srun_trainer.log"
+    log_path.write_text("srun: error: Node failure on n1\n")  # attempt 1 of the job
+    driver, p = SlurmDriver(str(tmp_path)), SimpleNamespace(log_path=str(log_path))
+    driver.log_start = {"trainer": log_size(str(log_path))}  # attempt 2 starts the step
+    assert driver.node_failure("trainer", p) is None
+    with open(log_path, "a") as f:
+        f.write("srun: error: n3: task 0: Killed\n")
+    assert driver.node_failure("trainer", p) is None and driver.node_of("trainer", p) == "n3"
+    with open(log_path, "a") as f:
+        f.write("srun: error: Node failure on n3\n")
+    assert driver.node_failure("trainer", p) == "n3"
+
+
 def test_spare_nodes_are_asked_for_and_the_job_survives_a_node(tmp_path):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", "slurm.rollout.spare_nodes=1",
                    "--dry-run")

@@ -36,7 +36,7 @@ from collections import Counter
 
 from pipeline.config import load_resolved
 from pipeline.errors import ComponentFailed
-from pipeline.launch.local import RESTART_MARK, Proc, Supervisor, tail
+from pipeline.launch.local import Proc, Supervisor, tail
 from pipeline.launch.slurm import jobctl
 from pipeline.launch.slurm.profile import load_profile
 from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, SparePool, component_of, safe_exclusions
@@ -90,9 +90,13 @@ class SlurmDriver(Checkpointable):
         log.info("job %s attempt %d: starting %s", self.job, self.attempt, ", ".join(n for n, _ in steps))
         self.procs: dict[str, Proc] = {}
         self.hung: dict[str, str] = {}
+        # where each step's srun log stood when it last started: the logs outlive restarts and job
+        # attempts, and only what this start of the step wrote tells of its failure
+        self.log_start: dict[str, int] = {}
         try:
             for name, cmd in steps:
                 log.info("%s: %s", name, shlex.join(cmd))
+                self.log_start[name] = log_size(self.rundir.log_file(f"srun_{name}"))
                 self.procs[name] = self.sup.start_command(f"srun_{name}", cmd)  # they wait for the engines themselves
             self.supervise()
         except JobEnding:
@@ -126,7 +130,7 @@ class SlurmDriver(Checkpointable):
             self.kill_silent()
             for name, p in self.procs.items():
                 rc = p.popen.poll()
-                if rc not in (None, 0) or (rc == 0 and self.node_failure(p)):
+                if rc not in (None, 0) or (rc == 0 and self.node_failure(name, p)):
                     time.sleep(1.0)  # Slurm ending the job kills the steps and signals us at about the same time
                     if self.ending:
                         raise JobEnding()
@@ -150,13 +154,22 @@ class SlurmDriver(Checkpointable):
             log.warning("%s: killing step %s", self.hung[step], step)
             abort_step(p)
 
-    def node_failure(self, p: Proc) -> str | None:
+    def since_start(self, step: str, p: Proc) -> str:
+        """What the step's srun wrote since its last start."""
+        try:
+            with open(p.log_path, "rb") as f:
+                f.seek(self.log_start.get(step, 0))
+                return f.read()[-65536:].decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def node_failure(self, step: str, p: Proc) -> str | None:
         """The node Slurm lost under this step since its last start (srun then exits 0), if any."""
-        m = NODE_FAILURE.search(tail(p.log_path, 200).rsplit(RESTART_MARK, 1)[-1])
+        m = NODE_FAILURE.search(self.since_start(step, p))
         return m.group(1) if m else None
 
     def recover(self, step: str, p: Proc, rc: int) -> None:
-        down = self.node_failure(p)
+        down = self.node_failure(step, p)
         if down:
             self.hung.pop(step, None)
             f = Failure(step, down, "node failure", node_down=True)
@@ -175,6 +188,7 @@ class SlurmDriver(Checkpointable):
         if action in (Action.RESTART, Action.MOVE):
             event["resume_step"] = self.prepare_restart(f.step)
             self.rundir.append_event(event)
+            self.log_start[f.step] = log_size(p.log_path)
             self.sup.restart(p, f.reason)
             return
         self.rundir.append_event(event)
@@ -209,8 +223,7 @@ class SlurmDriver(Checkpointable):
     def node_of(self, step: str, p: Proc) -> str | None:
         """Where a step failed: srun's own error line (`srun: error: n2: task 0: Killed`), else the
         heartbeat of its process, else its component's only node."""
-        text = tail(p.log_path, 200).rsplit(RESTART_MARK, 1)[-1]
-        m = SRUN_TASK_ERROR.search(text)
+        m = SRUN_TASK_ERROR.search(self.since_start(step, p))
         if m:
             return m.group(1)
         beats = self.rundir.heartbeats()
@@ -294,6 +307,13 @@ class SlurmDriver(Checkpointable):
         if self.sup is not None:
             self.sup.stop_all(grace_s=15)
         return DelayedSubmission(SlurmDriver(self.run_dir, self.role))
+
+
+def log_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 def abort_step(p: Proc) -> None:

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dist_helpers
 from conftest import make_model_dir
@@ -59,8 +58,7 @@ def test_qkv_fusion_is_grouped_by_kv_head(dense_dir):
 def run_megatron(tmp_path, model_dir, world, tp, ep, replay=False, sp=False, pp=1):
     out = tmp_path / f"out_{tp}_{ep}_{replay}_{sp}_{pp}.pt"
     init = tmp_path / f"init_{tp}_{ep}_{replay}_{sp}_{pp}"
-    mp.start_processes(dist_helpers.megatron_logits, nprocs=world, start_method="spawn",
-                       args=(world, str(init), model_dir, str(out), tp, ep, replay, sp, pp))
+    dist_helpers.spawn(dist_helpers.megatron_logits, world, str(init), model_dir, str(out), tp, ep, replay, sp, pp)
     return torch.load(out)
 
 
@@ -123,8 +121,7 @@ def test_megatron_activation_recompute_keeps_the_gradients(moe_dir, tmp_path):
     got = {}
     for recompute in (True, False):
         out = tmp_path / f"grads_{recompute}.pt"
-        mp.start_processes(dist_helpers.megatron_grads, nprocs=1, start_method="spawn",
-                           args=(1, str(tmp_path / f"init_{recompute}"), moe_dir, str(out), recompute))
+        dist_helpers.spawn(dist_helpers.megatron_grads, 1, str(tmp_path / f"init_{recompute}"), moe_dir, str(out), recompute)
         got[recompute] = torch.load(out)
     assert got[True]["checkpointed"] > 0 and got[False]["checkpointed"] == 0
     a, b = got[True]["grads"], got[False]["grads"]

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs
@@ -357,8 +356,7 @@ def test_megatron_logits_equal_ours(megatron_dirs, tmp_path):
     path, tp = megatron_dirs["qwen2-yarn"], 2
     _, ours = load_model(path)
     out = tmp_path / "out.pt"
-    mp.start_processes(dist_helpers.megatron_logits, nprocs=tp, start_method="spawn",
-                       args=(tp, str(tmp_path / "init"), path, str(out), tp, 1, False))
+    dist_helpers.spawn(dist_helpers.megatron_logits, tp, str(tmp_path / "init"), path, str(out), tp, 1, False)
     got = torch.load(out)
     torch.testing.assert_close(got["logits"], our_logits(ours), rtol=0, atol=2e-5)
     assert got["state"].keys() == ours.state_dict().keys()

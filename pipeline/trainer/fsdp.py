@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.config.schema import RunConfig
 from pipeline.config.validate import validate
+from pipeline.models.attention import keep_attention_out_of_compiled_code
 from pipeline.models.hf_io import load_model, read_model_args
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.models.mtp import mtp_inputs
@@ -186,6 +187,7 @@ def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: 
     the eager varlen / grid call); FSDP's gathers stay outside the compiled code."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile:
+        keep_attention_out_of_compiled_code()
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
     if recompute:

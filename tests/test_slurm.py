@@ -247,8 +247,8 @@ def test_hetjob_grpo_run_learns(slurm, tmp_path):
 
 
 def submit_bg(run_dir, *overrides):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, *SMALL, f"run_dir={run_dir}",
-                             *overrides, "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}", *overrides,
+                             "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def pid_of(run_dir, component: str) -> int:
@@ -264,7 +264,7 @@ def steps_done(run_dir) -> int:
 @pytest.mark.slow
 def test_component_out_of_restarts_ends_the_job_named(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=500", "engine.max_restarts=0", "slurm.max_requeues=0")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=500", "engine.max_restarts=0", "slurm.max_requeues=0")
     assert wait_until(lambda: steps_done(run_dir) >= 2, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
     out, err = p.communicate(timeout=180)
@@ -283,7 +283,7 @@ def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
     """Inside one allocation: a killed engine is restarted alone and rejoins the weight group; a killed
     trainer rank restarts the trainer step from the last checkpoint; every step is logged once."""
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true",
+    p = submit_bg(run_dir, *SMALL, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true",
                   "buffer.keep_consumed=false")  # the restarted trainer needs the steps since its checkpoint
     assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
@@ -306,7 +306,8 @@ def test_unrecoverable_failure_requeues_the_job_without_its_node(slurm, tmp_path
     """Out of restarts in place: the driver requeues its own job, excluding the node the failure happened
     on; the next attempt runs elsewhere and resumes from the last checkpoint."""
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=10", "checkpoint.save_interval=4", "engine.max_restarts=0", "slurm.max_requeues=1")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=10", "checkpoint.save_interval=4", "engine.max_restarts=0",
+                  "slurm.max_requeues=1")
     assert wait_until(lambda: steps_done(run_dir) >= 5, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
     out, err = p.communicate(timeout=400)
@@ -356,7 +357,7 @@ def test_node_down_under_an_engine_moves_it_to_a_spare_node(slurm, tmp_path):
 @pytest.mark.slow
 def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=8", "faults.heartbeat_interval_s=1", "faults.heartbeat_timeout_s=5")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=8", "faults.heartbeat_interval_s=1", "faults.heartbeat_timeout_s=5")
     assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), signal.SIGSTOP)  # alive, silent: what a hung GPU looks like from outside
     out, err = p.communicate(timeout=400)
@@ -371,7 +372,7 @@ def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path)
 @pytest.mark.slow
 def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=20")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=20")
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 3, timeout=180)
     job = json.load(open(RunDir(run_dir).trainer_file))["job"]
     subprocess.run(["scancel", "-s", "USR2", "-b", job], check=True)  # what Slurm sends at pre-emption / time limit
@@ -440,7 +441,7 @@ def test_wait_follows_an_admin_requeue_to_the_end(slurm, tmp_path):
     """The bug of issue 24: `scontrol requeue` made `--wait` print a submitit traceback and exit 1 while
     the job went on. It follows the job across the requeue and returns the job's final status."""
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=12", "checkpoint.save_interval=4")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=12", "checkpoint.save_interval=4")
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 6, timeout=240)
     job = RunDir(run_dir).read_events()[0]["job"]
     subprocess.run(["scontrol", "requeue", job], check=True)

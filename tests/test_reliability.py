@@ -28,7 +28,8 @@ from pipeline.weights.broadcast import BroadcastTransport
 from conftest import REPO, wait_until
 from test_e2e import lockstep, procs_of
 
-SMALL = ["rollout_batch_size=8", "global_batch_size=64", "logging.plot=false", "--no-progress"]
+# small steps, no evaluation (the tests that want one turn it on: test_eval.py, test_tracking.py)
+SMALL = ["rollout_batch_size=8", "global_batch_size=64", "eval.interval=0", "logging.plot=false", "--no-progress"]
 
 
 def launch(run_dir, *overrides, env=None):

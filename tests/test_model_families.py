@@ -391,8 +391,8 @@ def test_true_on_policy_run_on_a_transformers_checkpoint(model_type, rope, legac
     run_dir = tmp_path / "run"
     res = lockstep("run", "configs/tiny.yaml", f"model.path={path}", "determinism.true_on_policy=true",
                    "num_rollout=3", f"run_dir={run_dir}", "rollout.rollout_batch_size=8",
-                   "rollout.n_samples_per_prompt=4", "train.global_batch_size=32", "logging.plot=false",
-                   "--no-progress")
+                   "rollout.n_samples_per_prompt=4", "train.global_batch_size=32", "eval.interval=0",
+                   "logging.plot=false", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(str(run_dir))
     assert len(rows) == 3 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)

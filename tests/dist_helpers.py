@@ -9,6 +9,33 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline.utils.proc import exit_without_finalizing
+
+
+def spawn(fn, world: int, init_file: str, *args) -> None:
+    """Run fn(rank, world, init_file, *args) in `world` spawned processes; raises if one fails."""
+    mp.start_processes(_entry, nprocs=world, start_method="spawn", args=(fn, world, init_file, *args))
+
+
+def _entry(rank: int, fn, world: int, init_file: str, *args) -> None:
+    fn(rank, world, init_file, *args)
+    exit_without_finalizing(0)  # as a trainer process: gloo's threads may still free tensors (see there)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, init_file: str):
+    """The default process group of this spawned process, on gloo; every rank leaves it at a barrier
+    (none ends it while another is still in a collective: rank 0 saves results after the last one)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def random_batch(vocab: int, n: int = 16, seed: int = 0):
@@ -31,11 +58,8 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
     from pipeline.trainer.fsdp import full_state
     from pipeline.trainer.loop import Trainer
 
-    torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         cfg = load_config(None, [f"model.path={model_dir}", f"run_dir={run_dir}", "train.device=cpu",
                                  f"train.num_gpus={world}", *overrides])
         trainer = Trainer(cfg, run_dir)
@@ -53,8 +77,6 @@ def train_one_step(rank: int, world: int, init_file: str, model_dir: str, run_di
             storages = [len({t.untyped_storage().data_ptr() for _, t in f}) for f in flat]
             torch.save({"state": state, "metrics": metrics, "flat": [dict(f) for f in flat[:2]], "doubled": dict(flat[2]),
                         "flat_order": [n for n, _ in flat[0]], "flat_storages": storages}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -63,16 +85,10 @@ def megatron_backend(rank: int, world: int, init_file: str, model_dir: str, over
     from pipeline.config import load_config
     from pipeline.trainer.megatron.backend import MegatronBackend
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
                                  "train.global_batch_size=8", "train.backend=megatron", *overrides])
         yield MegatronBackend(cfg, model_dir, torch.device("cpu"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def megatron_forward(b, replay: bool) -> torch.Tensor:
@@ -159,10 +175,7 @@ def backend_setup(rank: int, world: int, init_file: str, model_dir: str, out: st
     from pipeline.trainer.fsdp import FSDPBackend
     from pipeline.trainer.megatron.backend import MegatronBackend
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, init_file):
         got = {}
         for name, cls in (("fsdp", FSDPBackend), ("megatron", MegatronBackend)):
             cfg = load_config(None, [f"model.path={model_dir}", "train.device=cpu", f"train.num_gpus={world}",
@@ -175,6 +188,3 @@ def backend_setup(rank: int, world: int, init_file: str, model_dir: str, out: st
                          "lr_factors": [b.scheduler.lr_lambdas[0](s) for s in range(12)]}
         if rank == 0:
             torch.save(got, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

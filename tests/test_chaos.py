@@ -29,7 +29,7 @@ from pipeline.run import RunDir
 from conftest import REPO, wait_until
 from test_slurm import LOCAL, lockstep, slurm  # noqa: F401 (the fixture)
 
-STEPS = 40
+STEPS = 20  # four faults at distinct steps 3..11, each after a checkpoint (every 4), and 8 steps after the last
 COMMON = [f"num_rollout={STEPS}", "checkpoint.save_interval=4", "determinism.true_on_policy=true", "logging.plot=false"]
 FAULTS = ("kill_engine", "kill_trainer_rank", "node_down", "requeue")
 

@@ -460,7 +460,7 @@ def _run(tmp_path, *extra, steps=3):
     run_dir = tmp_path / "run"
     res = lockstep("run", "configs/tiny.yaml", "determinism.true_on_policy=true",
                    "determinism.routing_replay=true", f"num_rollout={steps}", f"run_dir={run_dir}",
-                   "logging.plot=false", "--no-progress", *extra)
+                   "eval.interval=0", "logging.plot=false", "--no-progress", *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir, read_metrics(str(run_dir))
 
@@ -491,11 +491,12 @@ def test_true_on_policy_run_with_r3_on_a_transformers_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_deepseek_v3_tiny_learns_in_true_on_policy_mode_with_r3(tmp_path):
     """The default recipe on model.init=deepseek-v3-tiny: exact every step, and the reward rises as the
-    tiny Qwen3-MoE's does in the same mode (100 steps on 2 cores, ~5 min: reward 0.03 -> 0.48 over the
-    first / last ten steps, tiny-moe 0.03 -> 0.63). The export is in the blockwise FP8 layout."""
+    tiny Qwen3-MoE's does in the same mode. 70 steps (~1.1 s each on 2 cores): the reward over the last
+    five steps is 0.52 above the first five's (0.44 and 0.51 with rollout seeds 7 and 11, init seed 3
+    for the latter; it plateaus there: 0.51 after 100 steps). The export is in the blockwise FP8 layout."""
     from safetensors.torch import load_file
 
-    run_dir, rows = _run(tmp_path, "model.init=deepseek-v3-tiny", "checkpoint.export_quantization=fp8", steps=100)
+    run_dir, rows = _run(tmp_path, "model.init=deepseek-v3-tiny", "checkpoint.export_quantization=fp8", steps=70)
     assert all(r["train/rollout_logprob_max_abs_diff"] == 0.0 and r["train/routing_mismatch_frac"] == 0.0
                for r in rows)
     first = sum(r["rollout/reward_mean"] for r in rows[:5]) / 5

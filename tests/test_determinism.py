@@ -182,7 +182,7 @@ def test_kernel_library_has_no_import_cycle():
 
 # ---- whole pipeline --------------------------------------------------------------------------------
 
-STEPS = ["num_rollout=3", "rollout_batch_size=8", "global_batch_size=64", "checkpoint.export_hf=false",
+STEPS = ["num_rollout=3", "rollout_batch_size=8", "global_batch_size=64", "eval.interval=0", "checkpoint.export_hf=false",
          "logging.plot=false", "--no-progress"]
 
 
@@ -253,14 +253,14 @@ def test_r3_replays_in_activation_recompute(moe_dir):
 def test_two_runs_same_weights_and_kill_resume(tmp_path):
     """Same command, same weights; a run SIGKILLed after a checkpoint and rerun ends bit-identical too.
     PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well."""
-    common = ["rollout_batch_size=8", "global_batch_size=64", "logging.plot=false", "checkpoint.save_interval=2",
-              "--no-progress", "num_rollout=8", "algo.advantage_estimator=ppo"]
+    common = ["rollout_batch_size=8", "global_batch_size=64", "eval.interval=0", "logging.plot=false",
+              "checkpoint.save_interval=2", "--no-progress", "num_rollout=6", "algo.advantage_estimator=ppo"]
     for name in ("a", "b"):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
         assert res.returncode == 0, res.stderr[-3000:]
     a, b = read_state_dict(RunDir(tmp_path / "a").hf_export), read_state_dict(RunDir(tmp_path / "b").hf_export)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command.
+    # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command (2 steps more).
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={tmp_path}/c",
                           *common], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert wait_until(lambda: os.path.exists(os.path.join(RunDir(tmp_path / "c").checkpoints, "step_000004", "trainer_state.json")), 180)
@@ -271,4 +271,4 @@ def test_two_runs_same_weights_and_kill_resume(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     c = read_state_dict(RunDir(tmp_path / "c").hf_export)
     assert all(torch.equal(a[k], c[k]) for k in a)
-    assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(8))
+    assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(6))

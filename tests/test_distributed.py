@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from pipeline.config.schema import WeightsConfig
 from pipeline.models.hf_io import load_model
@@ -17,9 +16,8 @@ import dist_helpers
 
 def run_world(world, tmp_path, model_dir, overrides, tag):
     out = str(tmp_path / f"out_{tag}.pt")
-    mp.start_processes(dist_helpers.train_one_step, nprocs=world, start_method="spawn",
-                       args=(world, str(tmp_path / f"init_{tag}"), model_dir, str(tmp_path / f"run_{tag}"), out,
-                             overrides))
+    dist_helpers.spawn(dist_helpers.train_one_step, world, str(tmp_path / f"init_{tag}"), model_dir,
+                       str(tmp_path / f"run_{tag}"), out, overrides)
     return torch.load(out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -324,6 +325,40 @@ def test_pool_retries_on_another_engine(dense_dir, engine_factory):
     dead = EnginePool(["http://127.0.0.1:9"], timeout_s=2, max_retries=2)
     with pytest.raises(EngineError, match="after 2 attempts"):
         dead.generate([[5]], [{"max_new_tokens": 1, "sampling_seed": 0}])
+
+
+def test_pool_asks_an_engine_its_version_once_for_a_step_of_concurrent_requests():
+    """A step's requests all want the version the trainer just published: one of them asks the engine,
+    the others wait for that answer (none falls into the retry back-off); the next version is asked for
+    at once, and an engine still behind is asked at most twice a second."""
+
+    class Answering:  # an engine as the pool sees it: a URL that answers /get_weight_version
+        url = "http://engine"
+
+        def __init__(self):
+            self.version, self.asks = 3, 0
+
+        def weight_version(self, timeout_s):
+            self.asks += 1
+            time.sleep(0.05)
+            return self.version
+
+    engine, pool = Answering(), EnginePool(["http://engine"])
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(pool.version_of(engine, 3))) for _ in range(16)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [3] * 16 and engine.asks == 1 and time.monotonic() - t0 < 0.4
+    engine.version = 4
+    assert pool.version_of(engine, 4) == 4 and engine.asks == 2  # a new version: asked at once
+    assert pool.version_of(engine, 5) == 4 and engine.asks == 3  # behind ...
+    assert pool.version_of(engine, 5) == 4 and engine.asks == 3  # ... and not asked again right away
+    time.sleep(0.55)
+    engine.version = 5
+    assert pool.version_of(engine, 5) == 5 and engine.asks == 4
 
 
 def test_scheduler_failure_fails_requests_and_ends_the_server(dense_dir, engine_factory):

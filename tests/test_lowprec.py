@@ -134,7 +134,7 @@ def test_fp8_rollouts_train_with_tis_and_show_the_mismatch(tmp_path):
     from test_e2e import lockstep
     from pipeline.observability.metrics import read_metrics
 
-    common = ["num_rollout=30", "algo.off_policy_correction=tis", "logging.plot=false", "--no-progress"]
+    common = ["num_rollout=30", "algo.off_policy_correction=tis", "eval.interval=0", "logging.plot=false", "--no-progress"]
     runs = {}
     for q in ("none", "fp8"):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{q}", f"weights.quantization={q}", *common)

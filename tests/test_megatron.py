@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dist_helpers
 from conftest import make_model_dir
@@ -59,8 +58,7 @@ def test_qkv_fusion_is_grouped_by_kv_head(dense_dir):
 def run_megatron(tmp_path, model_dir, world, tp, ep, replay=False, sp=False, pp=1):
     out = tmp_path / f"out_{tp}_{ep}_{replay}_{sp}_{pp}.pt"
     init = tmp_path / f"init_{tp}_{ep}_{replay}_{sp}_{pp}"
-    mp.start_processes(dist_helpers.megatron_logits, nprocs=world, start_method="spawn",
-                       args=(world, str(init), model_dir, str(out), tp, ep, replay, sp, pp))
+    dist_helpers.spawn(dist_helpers.megatron_logits, world, str(init), model_dir, str(out), tp, ep, replay, sp, pp)
     return torch.load(out)
 
 
@@ -123,8 +121,7 @@ def test_megatron_activation_recompute_keeps_the_gradients(moe_dir, tmp_path):
     got = {}
     for recompute in (True, False):
         out = tmp_path / f"grads_{recompute}.pt"
-        mp.start_processes(dist_helpers.megatron_grads, nprocs=1, start_method="spawn",
-                           args=(1, str(tmp_path / f"init_{recompute}"), moe_dir, str(out), recompute))
+        dist_helpers.spawn(dist_helpers.megatron_grads, 1, str(tmp_path / f"init_{recompute}"), moe_dir, str(out), recompute)
         got[recompute] = torch.load(out)
     assert got[True]["checkpointed"] > 0 and got[False]["checkpointed"] == 0
     a, b = got[True]["grads"], got[False]["grads"]
@@ -157,8 +154,8 @@ def test_megatron_ppo_critic_matches_fsdp_and_resumes(tmp_path):
     from test_e2e import lockstep
     from pipeline.observability.metrics import read_metrics
 
-    common = ["configs/tiny.yaml", "rollout.rollout_batch_size=8", "train.global_batch_size=64", "logging.plot=false",
-              "--no-progress", "algo.advantage_estimator=ppo", "checkpoint.save_interval=2"]
+    common = ["configs/tiny.yaml", "rollout.rollout_batch_size=8", "train.global_batch_size=64", "eval.interval=0",
+              "logging.plot=false", "--no-progress", "algo.advantage_estimator=ppo", "checkpoint.save_interval=2"]
     mg = ["train.backend=megatron", "train.num_gpus=2", "train.tensor_model_parallel_size=2", f"run_dir={tmp_path}/mg"]
     for n in (2, 4):
         res = lockstep("run", *common, *mg, f"num_rollout={n}")
@@ -213,7 +210,7 @@ def test_megatron_pipeline_stages_train_like_one_rank(tmp_path):
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/pp{pp}", f"model.path={model_dir}",
                        "train.backend=megatron", f"train.num_gpus={pp}", f"train.pipeline_model_parallel_size={pp}",
                        "determinism.routing_replay=true", "algo.advantage_estimator=ppo", "num_rollout=4",
-                       "logging.plot=false", "--no-progress")
+                       "eval.interval=0", "logging.plot=false", "--no-progress")
         assert res.returncode == 0, res.stderr[-3000:]
         runs[pp] = read_metrics(f"{tmp_path}/pp{pp}")
     for a, b in zip(runs[1], runs[2], strict=True):
@@ -232,7 +229,7 @@ def test_megatron_true_on_policy_is_bit_exact_with_the_engine(tmp_path):
     from pipeline.observability.metrics import read_metrics
 
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "train.backend=megatron", "num_rollout=6",
-                   "determinism.true_on_policy=true", "logging.plot=false", "--no-progress")
+                   "determinism.true_on_policy=true", "eval.interval=0", "logging.plot=false", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_metrics(f"{tmp_path}/run")
     assert len(rows) == 6 and all(r["train/rollout_logprob_max_abs_diff"] == 0.0 for r in rows)
@@ -253,7 +250,7 @@ def test_megatron_runs_train_and_resume(variant, resume, tmp_path):
     from pipeline.observability.metrics import read_metrics
 
     common = ["configs/tiny.yaml", f"run_dir={tmp_path}/run", "train.backend=megatron", "train.num_gpus=2",
-              "checkpoint.save_interval=6", *variant, "logging.plot=false", "--no-progress"]
+              "checkpoint.save_interval=6", *variant, "eval.interval=0", "logging.plot=false", "--no-progress"]
     res = lockstep("run", *common, "num_rollout=12")
     assert res.returncode == 0, res.stderr[-3000:]
     if resume:

@@ -28,7 +28,8 @@ from pipeline.weights.broadcast import BroadcastTransport
 from conftest import REPO, wait_until
 from test_e2e import lockstep, procs_of
 
-SMALL = ["rollout_batch_size=8", "global_batch_size=64", "logging.plot=false", "--no-progress"]
+# small steps, no evaluation (the tests that want one turn it on: test_eval.py, test_tracking.py)
+SMALL = ["rollout_batch_size=8", "global_batch_size=64", "eval.interval=0", "logging.plot=false", "--no-progress"]
 
 
 def launch(run_dir, *overrides, env=None):
@@ -61,11 +62,18 @@ def test_engine_killed_mid_rollout_is_restarted_and_the_run_is_unchanged(tmp_pat
     p = launch(run, *common)
     assert wait_until(lambda: len(read_metrics(str(run))) >= 2, 180)
     first_pid = engine_pid(run, 0)
+    # The trainer waits (stopped) until the restarted engine is up: the 6 steps left take about as long as
+    # an engine's start, and the run must not end before the restart it is meant to live through.
+    trainer = RunDir(run).heartbeats()["trainer_0"]["pid"]
+    os.kill(trainer, signal.SIGSTOP)
     os.kill(first_pid, signal.SIGKILL)
+    try:
+        assert wait_until(lambda: engine_pid(run, 0) != first_pid, 120)  # a new process published its address
+    finally:
+        os.kill(trainer, signal.SIGCONT)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert "engine_0 died (exit -9); restarting it" in err
-    assert engine_pid(run, 0) != first_pid  # a new process published its address
     rows = read_metrics(str(run))
     assert [r["step"] for r in rows] == list(range(8))  # every step trained exactly once
     assert weights_equal(RunDir(tmp_path / "ref").hf_export, RunDir(run).hf_export)  # ... and on the same groups

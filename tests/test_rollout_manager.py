@@ -52,7 +52,8 @@ def test_oversampling_filter_abort_partial_loses_no_sample(tmp_path):
                    "over_sampling_batch_size=12", "dynamic_sampling_filter=tests.helpers_filters:reject_every_third",
                    "partial_rollout=true",
                    "mask_offpolicy_in_partial_rollout=true", "rollout_max_response_len=12", "rollout.n_samples_per_prompt=4",
-                   "global_batch_size=24", "engine.max_running_requests=8", "--no-progress")
+                   "global_batch_size=24", "engine.max_running_requests=8", "eval.interval=0", "logging.plot=false",
+                   "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     reader = BufferReader(RunDir(run).buffer)
     steps = reader.committed_steps()
@@ -108,7 +109,8 @@ def test_remote_reward_model_over_http(tmp_path):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/score"
         res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "num_rollout=3", "rollout_batch_size=8",
-                       "global_batch_size=128", f"rollout.rm_type=remote:{url}", "--no-progress")
+                       "global_batch_size=128", f"rollout.rm_type=remote:{url}", "eval.interval=0", "logging.plot=false",
+                       "--no-progress")
         assert res.returncode == 0, res.stderr[-3000:]
         batch = BufferReader(RunDir(tmp_path / "run").buffer).read_step(0)
         length = batch.reward_components["length"]
@@ -125,9 +127,10 @@ def test_remote_reward_model_over_http(tmp_path):
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
 def test_tiny_recipe_learns_in_each_mode(tmp_path, mode):
     """The asynchronous modes learn with the weight lag they promise (sync: tests/test_e2e.py's
-    test_tiny_recipe_learns, the same recipe)."""
-    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "num_rollout=70", f"rollout.mode={mode}",
-                   "--no-progress")
+    test_tiny_recipe_learns, the same recipe). After 60 steps the reward over the last three is 0.57-0.59
+    above the first three's (0.43-0.46 with rollout seed 7, 0.65 with init seed 3 and rollout seed 11)."""
+    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", "num_rollout=60", f"rollout.mode={mode}",
+                   "eval.interval=0", "logging.plot=false", "--no-progress")
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_metrics(f"{tmp_path}/run")
     first, last = mean([r["rollout/reward_mean"] for r in records[:3]]), mean([r["rollout/reward_mean"] for r in records[-3:]])

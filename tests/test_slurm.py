@@ -244,6 +244,9 @@ def test_follower_lines_and_status_table(tmp_path):
 # ---- real jobs on the local cluster -------------------------------------------------------------------
 
 LOCAL = ["configs/tiny-slurm-local.yaml", "logging.progress=false"]
+# 8 prompts x 16 samples a step instead of 32 x 16 (one optimizer step each): for the jobs whose claims are
+# about launching and recovery, not learning (that is test_hetjob_grpo_run_learns's)
+SMALL = ["rollout.rollout_batch_size=8", "train.global_batch_size=128"]
 
 
 @pytest.mark.slurm
@@ -281,7 +284,7 @@ def steps_done(run_dir) -> int:
 @pytest.mark.slow
 def test_component_out_of_restarts_ends_the_job_named(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=500", "engine.max_restarts=0", "slurm.max_requeues=0")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=500", "engine.max_restarts=0", "slurm.max_requeues=0")
     assert wait_until(lambda: steps_done(run_dir) >= 2, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
     out, err = p.communicate(timeout=180)
@@ -300,7 +303,7 @@ def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
     """Inside one allocation: a killed engine is restarted alone and rejoins the weight group; a killed
     trainer rank restarts the trainer step from the last checkpoint; every step is logged once."""
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true",
+    p = submit_bg(run_dir, *SMALL, "num_rollout=16", "checkpoint.save_interval=4", "determinism.true_on_policy=true",
                   "buffer.keep_consumed=false")  # the restarted trainer needs the steps since its checkpoint
     assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
@@ -323,7 +326,8 @@ def test_unrecoverable_failure_requeues_the_job_without_its_node(slurm, tmp_path
     """Out of restarts in place: the driver requeues its own job, excluding the node the failure happened
     on; the next attempt runs elsewhere and resumes from the last checkpoint."""
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=14", "checkpoint.save_interval=4", "engine.max_restarts=0", "slurm.max_requeues=1")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=10", "checkpoint.save_interval=4", "engine.max_restarts=0",
+                  "slurm.max_requeues=1")
     assert wait_until(lambda: steps_done(run_dir) >= 5, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), 9)
     out, err = p.communicate(timeout=400)
@@ -332,7 +336,7 @@ def test_unrecoverable_failure_requeues_the_job_without_its_node(slurm, tmp_path
     assert "put back in the queue without n2" in err and "requeued (attempt 2/2), resuming from step 4" in err, err
     starts = [e for e in RunDir(run_dir).read_events() if e["event"] == "start"]
     assert [s["attempt"] for s in starts] == [1, 2] and starts[0]["nodes"]["1"] == "n2" and starts[1]["nodes"]["1"] != "n2"
-    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(14))
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(10))
     assert "requeued by the driver: engine_0 failed on n2 (exit status 137); excluded n2" in lockstep("status", str(run_dir)).stdout
 
 
@@ -373,13 +377,13 @@ def test_node_down_under_an_engine_moves_it_to_a_spare_node(slurm, tmp_path):
 @pytest.mark.slow
 def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = submit_bg(run_dir, "num_rollout=12", "faults.heartbeat_interval_s=1", "faults.heartbeat_timeout_s=5")
+    p = submit_bg(run_dir, *SMALL, "num_rollout=8", "faults.heartbeat_interval_s=1", "faults.heartbeat_timeout_s=5")
     assert wait_until(lambda: steps_done(run_dir) >= 3, timeout=180)
     os.kill(pid_of(run_dir, "engine_0"), signal.SIGSTOP)  # alive, silent: what a hung GPU looks like from outside
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
     assert "engine_0 failed on n2 (no heartbeat from engine_0 for" in err and "restarted in place" in err, err
-    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(12))
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(8))
     # one failure, no other: components that finished their work (the rollout manager) stop beating quietly
     assert [e["event"] for e in RunDir(run_dir).read_events()] == ["start", "failure", "end"]
 
@@ -388,15 +392,14 @@ def test_hung_engine_is_detected_by_its_heartbeat_and_restarted(slurm, tmp_path)
 @pytest.mark.slow
 def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}",
-                          "num_rollout=30", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 5, timeout=180)
+    p = submit_bg(run_dir, *SMALL, "num_rollout=20")
+    assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 3, timeout=180)
     job = json.load(open(RunDir(run_dir).trainer_file))["job"]
     subprocess.run(["scancel", "-s", "USR2", "-b", job], check=True)  # what Slurm sends at pre-emption / time limit
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0, err[-3000:]
     records = read_metrics(str(run_dir))
-    assert [r["step"] for r in records] == list(range(30))
+    assert [r["step"] for r in records] == list(range(20))
     ckpt = json.load(open(RunDir(run_dir).checkpoint_done_file)) if RunDir(run_dir).checkpoint_done() else None
     trainer_log = open(RunDir(run_dir).log_file("trainer_0")).read()
     assert "checkpointed at step" in trainer_log and "resumed from checkpoint step" in trainer_log
@@ -409,7 +412,7 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_paired_jobs_find_each_other(slurm, tmp_path):
-    res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=8", "slurm.mode=paired", "--wait")
+    res = lockstep("submit", *LOCAL, *SMALL, f"run_dir={tmp_path}/run", "num_rollout=8", "slurm.mode=paired", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(read_metrics(f"{tmp_path}/run")) == 8
     assert res.stderr.count("job ") >= 2
@@ -419,7 +422,7 @@ def test_paired_jobs_find_each_other(slurm, tmp_path):
 @pytest.mark.slow
 def test_colocated_job(slurm, tmp_path):
     """One component runs trainer and engine on one node; weights go as shared-memory handles (weights.type=tensor)."""
-    res = lockstep("submit", *LOCAL, f"run_dir={tmp_path}/run", "num_rollout=6", "slurm.mode=colocated",
+    res = lockstep("submit", *LOCAL, *SMALL, f"run_dir={tmp_path}/run", "num_rollout=6", "slurm.mode=colocated",
                    "slurm.trainer.cpus_per_task=3", "weights.type=tensor", "--wait")
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(read_metrics(f"{tmp_path}/run")) == 6
@@ -458,21 +461,19 @@ def test_wait_follows_an_admin_requeue_to_the_end(slurm, tmp_path):
     """The bug of issue 24: `scontrol requeue` made `--wait` print a submitit traceback and exit 1 while
     the job went on. It follows the job across the requeue and returns the job's final status."""
     run_dir = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}", "num_rollout=16",
-                          "checkpoint.save_interval=4", "--wait"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = submit_bg(run_dir, *SMALL, "num_rollout=12", "checkpoint.save_interval=4")
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 6, timeout=240)
     job = RunDir(run_dir).read_events()[0]["job"]
     subprocess.run(["scontrol", "requeue", job], check=True)
     out, err = p.communicate(timeout=400)
     assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
     resumed = RunDir(run_dir).read_events()[-2]["resume_step"]  # the second start (then the end)
-    assert resumed in (4, 8, 12), resumed  # the last checkpoint before the requeue
+    assert resumed in (4, 8), resumed  # the last checkpoint before the requeue
     assert f"job {job} requeued (attempt 2/4), resuming from step {resumed}" in err, err
     assert f"job {job} COMPLETED" in err
-    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(16))  # every step once
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(12))  # every step once
     states = sacct_states(job)
     assert "REQUEUED" in states and states[-1] == "COMPLETED", states
     res = lockstep("status", str(run_dir))
     assert res.returncode == 0 and "ended by Slurm (requeue, cancel or node failure)" in res.stdout, res.stdout
-    assert f"step {resumed:<8} completed" in res.stdout and "last checkpoint: step 16" in res.stdout, res.stdout
+    assert f"step {resumed:<8} completed" in res.stdout and "last checkpoint: step 12" in res.stdout, res.stdout

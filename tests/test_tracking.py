@@ -79,7 +79,8 @@ def numeric_items(record: dict) -> dict[str, float]:
 
 TRACKED = ["logging.tensorboard=true", "logging.wandb.enabled=true", "logging.wandb.mode=offline",
            "logging.wandb.project=lockstep-test", "logging.wandb.group=ci", "checkpoint.save_interval=2",
-           "checkpoint.save_final=false", "checkpoint.export_hf=false"]
+           "checkpoint.save_final=false", "checkpoint.export_hf=false",
+           "eval.interval=20"]  # the recipe's evaluations too (SMALL turns them off): eval/* go to every sink
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import typing
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import dist_helpers
 from pipeline.trainer.base import TrainerBackend
@@ -46,8 +45,7 @@ def test_both_backends_implement_the_interface_and_build_the_same_optimizers(den
     out = tmp_path / "setup.pt"
     overrides = ["algo.advantage_estimator=ppo", "algo.kl_loss_coef=0.1", "train.lr_warmup_steps=2",
                  "train.lr_decay_style=cosine", "train.min_lr=1e-4", "train.weight_decay=0.05", "num_rollout=3"]
-    mp.start_processes(dist_helpers.backend_setup, nprocs=1, start_method="spawn",
-                       args=(1, str(tmp_path / "init"), dense_dir, str(out), overrides))
+    dist_helpers.spawn(dist_helpers.backend_setup, 1, str(tmp_path / "init"), dense_dir, str(out), overrides)
     got = torch.load(out)
     fsdp, mg = got["fsdp"], got["megatron"]
     assert fsdp["interface"] and mg["interface"]

@@ -18,6 +18,7 @@ import sys
 
 from pipeline.run import RunDir, bind_address, free_port
 from pipeline.run.heartbeat import Heartbeat
+from pipeline.utils.proc import exit_without_finalizing
 
 
 def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
@@ -122,6 +123,8 @@ def main(argv=None) -> None:
 
         trainer_main(args.run_dir)
     heartbeat.end()  # done (an error never gets here: the process exits with it, its heartbeat goes stale)
+    if args.role == "trainer":
+        exit_without_finalizing(0)  # its gloo worker threads may still free tensors: see there
 
 
 def component_name(role: str, index: int, rank: int) -> str:

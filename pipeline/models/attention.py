@@ -10,6 +10,7 @@ Legend: N tokens in the stream, H query heads, K key/value heads, D head dim, B 
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -30,6 +31,14 @@ class AttentionContext(Protocol):
 def attend_padded(q_BHQD, k_BKTD, v_BKTD, qpos_BQ) -> torch.Tensor:
     """Query (b, i) attends to keys 0..qpos_BQ[b, i] of sequence b (padding queries carry qpos 0)."""
     return kernels.attention(q_BHQD, k_BKTD, v_BKTD, qpos_BQ)
+
+
+@functools.cache
+def keep_attention_out_of_compiled_code() -> None:
+    """train.compile: a compiled decoder layer calls PackedCausal.attend as it is (torch.compiler.disable:
+    varlen kernels, the grid path). Done when a model is compiled, not as a decorator at import, which
+    imported torch._dynamo (~1.3 s) into every process: the launcher, the engines, the rollout side."""
+    PackedCausal.attend = torch.compiler.disable(PackedCausal.attend)
 
 
 class PackedCausal:
@@ -73,7 +82,6 @@ class PackedCausal:
         grid[self.grid_index] = x_NXD
         return grid
 
-    @torch.compiler.disable  # a compiled decoder layer (train.compile) calls attention as it is
     def attend(self, layer_idx, q_NHD, k_NKD, v_NKD, scale: float | None = None):
         """scale: the softmax scale (None: 1/sqrt(D)); v may have its own head dim (MLA)."""
         if q_NHD.is_cuda and self.varlen and scale is None and v_NKD.shape[-1] == q_NHD.shape[-1]:

@@ -256,7 +256,8 @@ class EnginePool:
         self.lock = threading.Lock()
         self.failures: dict[str, int] = {}
         self.versions: dict[str, int] = {}
-        self.asked: dict[str, float] = {}
+        self.asked: dict[str, tuple[float, int]] = {}  # url -> (when, the version wanted) of its last ask
+        self.asking: dict[str, threading.Event] = {}  # url -> set when the ask in flight has its answer
         self.refreshed = time.monotonic()
         self.retries = 0
         self.sticky: OrderedDict[str, str] = OrderedDict()  # session -> engine URL, least recent first
@@ -289,15 +290,36 @@ class EnginePool:
                     del self.versions[u]
 
     def version_of(self, client: EngineClient, at_least: int = 0) -> int:
-        """The engine's weight version: the last one seen, asked again (at most twice a second) while it
-        is below `at_least` (a restarted engine is caught up by the trainer a little later)."""
-        v, asked = self.versions.get(client.url, -1), self.asked.get(client.url, 0.0)
-        if v < at_least and time.monotonic() - asked > 0.5:
-            self.asked[client.url] = time.monotonic()
+        """The engine's weight version: the last one seen, asked again while it is below `at_least`: at
+        once for a version not asked for yet (the next step's), else at most twice a second (a restarted
+        engine is caught up by the trainer a little later). One ask per engine at a time: a caller that
+        finds one in flight waits for its answer (half a second at most) rather than take the version it
+        had, which would send each of a step's requests into a retry's back-off (0.4 s) at its start."""
+        url = client.url
+        while True:
+            with self.lock:
+                v = self.versions.get(url, -1)
+                if v >= at_least:
+                    return v
+                asking = self.asking.get(url)
+                if asking is None:
+                    when, wanted = self.asked.get(url, (0.0, -1))
+                    if at_least <= wanted and time.monotonic() - when <= 0.5:
+                        return v
+                    self.asked[url] = (time.monotonic(), at_least)
+                    answered = self.asking[url] = threading.Event()
+                    break
+            if not asking.wait(0.5):
+                return v  # the engine is slow to answer: the version it had
+        try:
             reply = client.weight_version(timeout_s=5.0)
-            v = max(v, reply if reply is not None else 0)
-            self.versions[client.url] = v
-        return v
+            with self.lock:
+                v = self.versions[url] = max(self.versions.get(url, -1), reply if reply is not None else 0)
+            return v
+        finally:
+            with self.lock:
+                del self.asking[url]
+            answered.set()
 
     def note_version(self, url: str, version: int | None) -> None:
         if version is not None:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.config.schema import RunConfig
 from pipeline.config.validate import validate
+from pipeline.models.attention import keep_attention_out_of_compiled_code
 from pipeline.models.hf_io import load_model, read_model_args
 from pipeline.models.logprobs import entropy, token_logprobs
 from pipeline.models.mtp import mtp_inputs
@@ -114,8 +115,10 @@ def _bucket(part: list[tuple[str, torch.Tensor]]) -> _Bucket:
 def _all_gather_rows(out_WL: torch.Tensor, local_L: torch.Tensor, group) -> None:
     """out_WL[r] = rank r's local_L. On gloo through the list form: its single-tensor all-gather left
     trainer processes aborting at exit ("terminate called without an active exception") in 2 of 5
-    two-rank runs (torch 2.13), the list form in none of 5. Elsewhere the single-tensor form, which
-    gathers straight into the buffer (torch >= 2.13 calls it all_gather_single)."""
+    two-rank runs (torch 2.13), the list form in none of 5 (in 3 of 40 later: the cause was gloo's worker threads
+    freeing tensors during interpreter exit, see pipeline.utils.proc.exit_without_finalizing).
+    Elsewhere the single-tensor form, which gathers straight into the buffer (torch >= 2.13 calls it
+    all_gather_single)."""
     if dist.get_backend(group) == "gloo":
         dist.all_gather(list(out_WL.unbind(0)), local_L, group=group)
     else:
@@ -184,6 +187,7 @@ def shard(model: Qwen3ForCausalLM, mesh, compute_dtype: torch.dtype, recompute: 
     the eager varlen / grid call); FSDP's gathers stay outside the compiled code."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile:
+        keep_attention_out_of_compiled_code()
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
     if recompute:

@@ -344,5 +344,6 @@ def main(run_dir: str, trainer_cls: type[Trainer] = Trainer) -> None:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
     try:
         trainer_cls(cfg, run_dir, clock).run()
+        dist.barrier()  # leave together: no rank ends the group while another is in a collective (rank 0's export)
     finally:
         dist.destroy_process_group()

@@ -84,8 +84,8 @@ def test_tiny_recipe_learns(tmp_path):
     assert verify.returncode == 0 and "OK: 100 committed steps" in verify.stdout
 
 
-FAST = ["num_rollout=6", "rollout_batch_size=8", "global_batch_size=64", "checkpoint.export_hf=false",
-        "logging.plot=false"]
+FAST = ["num_rollout=6", "rollout_batch_size=8", "global_batch_size=64", "eval.interval=0",
+        "checkpoint.export_hf=false", "logging.plot=false"]
 
 
 @pytest.mark.slow
@@ -105,8 +105,8 @@ def test_two_trainer_ranks_and_two_engines(tmp_path):
 def test_failed_component_ends_the_job_and_is_named(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
-                          "num_rollout=500", "engine.max_restarts=0", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                          "num_rollout=500", "engine.max_restarts=0", "eval.interval=0", "--no-progress"], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 2, timeout=120)
     engine = json.load(open(RunDir(run_dir).engine_file(0)))
     os.kill(engine["pid"], signal.SIGKILL)
@@ -120,7 +120,7 @@ def test_failed_component_ends_the_job_and_is_named(tmp_path):
 def test_sigterm_to_launcher_leaves_no_orphans(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={run_dir}",
-                          "num_rollout=500", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
+                          "num_rollout=500", "eval.interval=0", "--no-progress"], cwd=REPO, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     assert wait_until(lambda: len(read_metrics(str(run_dir))) >= 1, timeout=120)
     assert len(procs_of(run_dir)) >= 4  # launcher, engine, rollout manager, trainer

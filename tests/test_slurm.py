@@ -243,7 +243,7 @@ def test_follower_lines_and_status_table(tmp_path):
 
 # ---- real jobs on the local cluster -------------------------------------------------------------------
 
-LOCAL = ["configs/tiny-slurm-local.yaml", "logging.progress=false"]
+LOCAL = ["configs/tiny-slurm-local.yaml", "logging.progress=false", "logging.plot=false"]
 # 8 prompts x 16 samples a step instead of 32 x 16 (one optimizer step each): for the jobs whose claims are
 # about launching and recovery, not learning (that is test_hetjob_grpo_run_learns's)
 SMALL = ["rollout.rollout_batch_size=8", "train.global_batch_size=128"]

@@ -10,6 +10,9 @@ hook is a no-op dictionary lookup):
   engine_exit_at_request=N engine: exit (status 43) when its N-th /generate request arrives
   engine_decode_delay_s=S   engine: sleep S seconds before each decode step (requests stay in flight long
                            enough for an over-sampled step to abort them mid-turn)
+  engine_hold_rid=REGEX    engine: a request whose rid matches is held (never scheduled) until it is aborted,
+                           up to the first abort of all requests (later ones run): an over-sampled
+                           step's surplus is then cut mid-trajectory whatever the timing
   engine_router_jitter=EPS engine: add EPS x N(0, 1) to the MoE router's logits, so its live routing
                            differs from the trainer's for some tokens, as a GPU engine's does (a CPU's
                            bf16 kernels may happen to agree)

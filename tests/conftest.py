@@ -47,6 +47,35 @@ def moe_dir(tmp_path_factory) -> str:
     return make_model_dir(str(tmp_path_factory.mktemp("models") / "moe"), "tiny-moe", seed=1)
 
 
+# PPO on the tiny recipe, 4 small steps, a checkpoint every 2 (test_determinism: a second run and a run
+# killed after a checkpoint and resumed end bit-identical to it; test_megatron: the FSDP2 reference of
+# megatron's PPO)
+PPO_SMALL = ["configs/tiny.yaml", "rollout_batch_size=8", "global_batch_size=64", "algo.advantage_estimator=ppo",
+             "checkpoint.save_interval=2", "num_rollout=4", "eval.interval=0", "logging.plot=false", "--no-progress"]
+
+
+@pytest.fixture(scope="session")
+def ppo_small_run(tmp_path_factory) -> str:
+    """The run directory of one `lockstep run *PPO_SMALL` (one job, run once for the tests that need it)."""
+    from test_e2e import lockstep
+
+    run_dir = tmp_path_factory.mktemp("ppo-small") / "run"
+    res = lockstep("run", *PPO_SMALL, f"run_dir={run_dir}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return str(run_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe_run(tmp_path_factory):
+    """The default recipe for 100 steps, as a user runs it: (its run directory, the finished `lockstep run`).
+    test_e2e checks that it learns and leaves every output; test_lowprec compares FP8 rollouts with its
+    first 30 steps."""
+    from test_e2e import lockstep
+
+    run_dir = tmp_path_factory.mktemp("tiny-recipe") / "run"
+    return run_dir, lockstep("run", "configs/tiny.yaml", f"run_dir={run_dir}", "num_rollout=100")
+
+
 class EngineProcess:
     """A built-in engine server in its own process (ended by PID)."""
 

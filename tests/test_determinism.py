@@ -17,7 +17,7 @@ from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.metrics import read_metrics
 from pipeline.run import RunDir
 
-from conftest import REPO, wait_until
+from conftest import PPO_SMALL, REPO, wait_until
 from test_e2e import lockstep
 
 SHAPES = [(1, 7, 5), (3, 64, 60), (37, 96, 130), (129, 33, 17)]  # (M, K, N), odd on purpose
@@ -250,25 +250,23 @@ def test_r3_replays_in_activation_recompute(moe_dir):
 
 
 @pytest.mark.slow
-def test_two_runs_same_weights_and_kill_resume(tmp_path):
+def test_two_runs_same_weights_and_kill_resume(ppo_small_run, tmp_path):
     """Same command, same weights; a run SIGKILLed after a checkpoint and rerun ends bit-identical too.
-    PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well."""
-    common = ["rollout_batch_size=8", "global_batch_size=64", "eval.interval=0", "logging.plot=false",
-              "checkpoint.save_interval=2", "--no-progress", "num_rollout=6", "algo.advantage_estimator=ppo"]
-    for name in ("a", "b"):
-        res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/{name}", *common)
-        assert res.returncode == 0, res.stderr[-3000:]
-    a, b = read_state_dict(RunDir(tmp_path / "a").hf_export), read_state_dict(RunDir(tmp_path / "b").hf_export)
+    PPO, so the critic (its values shape every advantage) must come back from the checkpoint as well.
+    The first run is the shared ppo_small_run (the same command)."""
+    res = lockstep("run", *PPO_SMALL, f"run_dir={tmp_path}/b")
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = read_state_dict(RunDir(ppo_small_run).hf_export), read_state_dict(RunDir(tmp_path / "b").hf_export)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # Kill the whole job with SIGKILL after its step-4 checkpoint, then rerun the same command (2 steps more).
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", "configs/tiny.yaml", f"run_dir={tmp_path}/c",
-                          *common], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert wait_until(lambda: os.path.exists(os.path.join(RunDir(tmp_path / "c").checkpoints, "step_000004", "trainer_state.json")), 180)
+    # Kill the whole job with SIGKILL after its step-2 checkpoint, then rerun the same command (2 steps more).
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", *PPO_SMALL, f"run_dir={tmp_path}/c"], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_until(lambda: os.path.exists(os.path.join(RunDir(tmp_path / "c").checkpoints, "step_000002", "trainer_state.json")), 180)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     assert not os.path.exists(RunDir(tmp_path / "c").hf_export)
-    res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/c", *common)
+    res = lockstep("run", *PPO_SMALL, f"run_dir={tmp_path}/c")
     assert res.returncode == 0, res.stderr[-3000:]
     c = read_state_dict(RunDir(tmp_path / "c").hf_export)
     assert all(torch.equal(a[k], c[k]) for k in a)
-    assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(6))
+    assert [r["step"] for r in read_metrics(f"{tmp_path}/c")] == list(range(4))

@@ -49,10 +49,9 @@ def mean(xs):
 
 
 @pytest.mark.slow
-def test_tiny_recipe_learns(tmp_path):
+def test_tiny_recipe_learns(tiny_recipe_run):
     """A shorter run of the default recipe: reward rises clearly, and every output a user looks at exists."""
-    run_dir = tmp_path / "run"
-    res = lockstep("run", "configs/tiny.yaml", f"run_dir={run_dir}", "num_rollout=100")
+    run_dir, res = tiny_recipe_run
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_metrics(str(run_dir))
     assert [r["step"] for r in records] == list(range(100))

@@ -242,6 +242,23 @@ def test_top_k_top_p_masks():
 # ---- over HTTP, in a separate process ------------------------------------------------------------
 
 
+def test_held_requests_wait_for_an_abort_then_the_hold_ends(dense_dir, monkeypatch):
+    """The engine_hold_rid fault (pipeline/faults.py) that makes partial-rollout tests independent of
+    timing: a matching request is never scheduled until an abort of all cuts it; after that it runs."""
+    monkeypatch.setenv("LOCKSTEP_FAULTS", r"engine_hold_rid=^s0-g1-")
+    engine = make_engine(dense_dir)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, sampling_seed=0)
+    held, free = Request([5, 6], params, rid="s0-g1-0-t0"), Request([5, 6], params, rid="s0-g10-0-t0")
+    run_all(engine, [free])
+    engine.submit(held)
+    assert not held.done.is_set() and engine.num_active() == 0  # never scheduled
+    assert free.finish_reason["type"] == "length" and len(free.output_ids) == 4
+    assert engine.abort(abort_all=True) == 1
+    assert held.done.is_set() and held.finish_reason["type"] == "abort" and held.output_ids == []
+    later = run_all(engine, [Request([5, 6], params, rid="s0-g1-0-t1")])[0]
+    assert later.output_ids == free.output_ids  # the hold ended with the abort
+
+
 def test_http_protocol(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
     c = EngineClient(eng.url)

@@ -146,23 +146,20 @@ def test_megatron_config_refusals():
 
 
 @pytest.mark.slow
-def test_megatron_ppo_critic_matches_fsdp_and_resumes(tmp_path):
+def test_megatron_ppo_critic_matches_fsdp_and_resumes(ppo_small_run, tmp_path):
     """PPO on the megatron backend (TP=2, the critic a GPTModel with a value head, stopped after its
     step-2 checkpoint and rerun to step 4) against FSDP2 on one rank: the same value losses, gradient
     norms and rewards step by step (to fp32 rounding), so the critic trains alike and comes back
-    from the megatron checkpoint."""
+    from the megatron checkpoint. The FSDP2 run is the shared ppo_small_run (the same job)."""
+    from conftest import PPO_SMALL
     from test_e2e import lockstep
     from pipeline.observability.metrics import read_metrics
 
-    common = ["configs/tiny.yaml", "rollout.rollout_batch_size=8", "train.global_batch_size=64", "eval.interval=0",
-              "logging.plot=false", "--no-progress", "algo.advantage_estimator=ppo", "checkpoint.save_interval=2"]
     mg = ["train.backend=megatron", "train.num_gpus=2", "train.tensor_model_parallel_size=2", f"run_dir={tmp_path}/mg"]
     for n in (2, 4):
-        res = lockstep("run", *common, *mg, f"num_rollout={n}")
+        res = lockstep("run", *PPO_SMALL, *mg, f"num_rollout={n}")
         assert res.returncode == 0, res.stderr[-3000:]
-    res = lockstep("run", *common, f"run_dir={tmp_path}/fsdp", "num_rollout=4")
-    assert res.returncode == 0, res.stderr[-3000:]
-    ours, theirs = read_metrics(f"{tmp_path}/mg"), read_metrics(f"{tmp_path}/fsdp")
+    ours, theirs = read_metrics(f"{tmp_path}/mg"), read_metrics(ppo_small_run)
     assert [r["step"] for r in ours] == [0, 1, 2, 3]
     for a, b in zip(ours, theirs, strict=True):
         assert a["rollout/reward_mean"] == b["rollout/reward_mean"]

@@ -285,9 +285,11 @@ def test_multiturn_moe_run_with_r3_is_bit_exact_and_resumes_partials(tmp_path):
                    "rollout.n_samples_per_prompt=4",
                    "train.global_batch_size=24", "engine.max_running_requests=8", "checkpoint.export_hf=false",
                    "logging.plot=false", "--no-progress",
-                   # decoding slowed so the step's quota is reached while trajectories are mid-turn (on a
-                   # loaded machine every group could otherwise finish before the abort: no resume to test)
-                   env=dict(os.environ, LOCKSTEP_FAULTS="engine_decode_delay_s=0.01"))
+                   # Step 0: group 11 (the last of 12 draws) gets no engine call answered, groups 6-10 no
+                   # call after their first, until the step fills with other groups and aborts the rest:
+                   # group 11 is cut whatever the timing, those of 6-10 that reached a second call are
+                   # cut mid-trajectory. Step 1 resumes them.
+                   env=dict(os.environ, LOCKSTEP_FAULTS=r"engine_hold_rid=^s0-g(11-\d+-t|([6-9]|10)-\d+-t[1-9])"))
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_metrics(str(run))
     assert len(records) == 6

@@ -11,6 +11,7 @@ updates take `model_lock`, which a step holds, so weights never change in the mi
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -157,6 +158,11 @@ class Engine:
         self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
         self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise
         self.decode_delay_s = faults.seconds("engine_decode_delay_s")  # a fault: slow decoding; 0 otherwise
+        # a fault: requests whose rid matches are held (never scheduled) until aborted, up to the first
+        # abort of all; None otherwise
+        hold = faults.value("engine_hold_rid")
+        self.hold = re.compile(hold) if hold else None
+        self.held: list[Request] = []
         self.device, self.dtype = device, dtype
         self.max_running, self.context_length = max_running, context_length
         self.max_prefill_tokens = max_prefill_tokens
@@ -217,6 +223,9 @@ class Engine:
             req.done.set()
             return req
         with self.cv:
+            if self.hold is not None and self.hold.search(req.rid):
+                self.held.append(req)
+                return req
             self.waiting.append(req)
             self.cv.notify_all()
         return req
@@ -228,6 +237,12 @@ class Engine:
                 if abort_all or req.rid == rid:
                     req.abort_requested = True
                     n += 1
+            for req in [r for r in self.held if abort_all or r.rid == rid]:
+                self.held.remove(req)
+                self._finish(req, {"type": "abort"})
+                n += 1
+            if abort_all:
+                self.hold = None  # the fault holds until the first abort: a request sent after it runs
             self.cv.notify_all()
         return n
 
@@ -250,6 +265,9 @@ class Engine:
     def stop(self) -> None:
         with self.cv:
             self._stop = True
+            for req in self.held:
+                self._finish(req, {"type": "abort", "message": "engine stopped"})
+            self.held.clear()
             self.cv.notify_all()
 
     # ---- scheduler -----------------------------------------------------------------------------

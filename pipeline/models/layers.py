@@ -33,6 +33,16 @@ class Linear(nn.Linear):
         return kernels.linear(x, w, self.bias)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding (same parameter) that skips its N(0, 1) fill on the meta device: a model built there
+    (hf_io.load_model) gets its values loaded next, and the fill would import torch's Python
+    decompositions and dynamo first (~2 s of CPU in every process that loads a model)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

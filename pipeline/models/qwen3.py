@@ -24,14 +24,14 @@ from torch import nn
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
 from pipeline.models.decoder_layer import DecoderLayer, MoeRouting
-from pipeline.models.layers import Linear, RMSNorm
+from pipeline.models.layers import Embedding, Linear, RMSNorm
 from pipeline.models.rope import rope_cos_sin
 
 
 class Qwen3Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -19,4 +19,7 @@ if [ -z "${LOCKSTEP_NO_SLURM:-}" ] && [ "$(id -u)" = 0 ]; then
 fi
 cleanup() { [ -n "$started" ] && slurm/local/cluster.sh stop || true; }
 trap cleanup EXIT
-.venv/bin/python -m pytest "$@"
+# Two pytest workers (pytest-xdist; more on a bigger machine, at most 4): a test's processes keep about
+# 1.3 of 2 cores busy, so a second worker fills the rest. Tests sharing the Slurm cluster or one whole
+# run stay on one worker (tests/conftest.py). `-n 0` as an argument runs everything in one process.
+.venv/bin/python -m pytest -n auto --maxprocesses 4 --dist loadgroup "$@"

@@ -15,6 +15,33 @@ os.environ.setdefault("HDF5_USE_FILE_LOCKING", "FALSE")
 torch.set_num_threads(1)
 
 
+# Whole runs (or kernel sweeps) that several tests read, from session or module fixtures: under
+# pytest-xdist (scripts/test.sh runs the suite on two workers) the tests sharing one go to one worker,
+# so it is made once.
+SHARED = ("tiny_recipe_run", "ppo_small_run", "tracked_runs", "results")
+
+
+def pytest_collection_modifyitems(config, items):
+    """xdist groups (`--dist loadgroup`): the Slurm tests share one local cluster and its nodes, so they
+    run one after another on one worker; tests that share a fixture's run go to the worker that makes
+    it. Order: the Slurm tests first (the longest chain), then the other slow ones, then the fast
+    tier, whose short tests fill both workers to the end."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        shared = [f for f in SHARED if f in names]
+        if item.get_closest_marker("slurm") is not None or "slurm" in names:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+
+    def rank(item) -> int:
+        if item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ()):
+            return 0
+        return 1 if item.get_closest_marker("slow") is not None else 2
+
+    items.sort(key=rank)
+
+
 def make_model_dir(path: str, preset: str, seed: int = 0, tie: bool = False) -> str:
     import dataclasses
 

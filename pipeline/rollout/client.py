@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.rollout import protocol, tensor_bucket
+from pipeline.rollout import protocol
 from pipeline.rollout.protocol import MemoryAction, MemoryTag
 
 
@@ -204,6 +204,8 @@ class EngineClient:
         if not flattened:
             return self.checked("/update_weights_from_tensor", protocol.update_tensor_body(named, tp_size, version),
                                 timeout_s)
+        from pipeline.rollout import tensor_bucket  # torch: only where weights are sent
+
         flat, metadata = tensor_bucket.flatten(list(named))  # alive until the engine has answered
         return self.checked("/update_weights_from_tensor",
                             protocol.update_flattened_bucket_body(flat, metadata, tp_size, version), timeout_s)

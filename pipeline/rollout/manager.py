@@ -27,7 +27,7 @@ from pipeline.buffer.schema import RolloutBatch, Sample, SampleStatus
 from pipeline.buffer.writer import ShardWriter, WriteOptions, clean_uncommitted
 from pipeline.config import load_resolved
 from pipeline.config.schema import RunConfig
-from pipeline.models.hf_io import read_model_args
+from pipeline.models.hf_config import read_model_args
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.rollout.base import RolloutSample, TurnAborted
 from pipeline.rollout.client import EnginePool

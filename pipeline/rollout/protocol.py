@@ -15,10 +15,11 @@ import base64
 import io
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from pipeline.rollout import tensor_bucket
 
 # Lockstep-only fields, per endpoint (read by the built-in engine, ignored by SGLang).
 EXTENSIONS: dict[str, frozenset[str]] = {
@@ -168,6 +169,8 @@ def update_flattened_bucket_body(flat: torch.Tensor, metadata: Sequence, tp_size
     whole bucket (`flat`, uint8) and its tensors' metadata (tensor_bucket.flatten). `flat` must stay
     alive until every engine has answered."""
     payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": list(metadata)})
+    from pipeline.rollout import tensor_bucket
+
     return _tensor_body(payload, tensor_bucket.LOAD_FORMAT, tp_size, version, flush_cache)
 
 

@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 SHARED = ("tiny_recipe_run", "ppo_small_run", "tracked_runs", "results")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """xdist groups (`--dist loadgroup`): the Slurm tests share one local cluster and its nodes, so they
     run one after another on one worker; tests that share a fixture's run go to the worker that makes
@@ -40,6 +41,18 @@ def pytest_collection_modifyitems(config, items):
         return 1 if item.get_closest_marker("slow") is not None else 2
 
     items.sort(key=rank)
+
+
+def pytest_collection_finish(session):
+    """On an xdist worker with --dist loadgroup: the groups must have reached the node ids, or the Slurm
+    tests would share the cluster concurrently (pytest 9.2 ignores the id xdist 3.8 sets: pyproject pins
+    pytest < 9.2)."""
+    config = session.config
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+        slurm = [i.nodeid for i in session.items if i.get_closest_marker("slurm") is not None]
+        if slurm and not all(n.endswith("@slurm") for n in slurm):
+            raise pytest.UsageError(f"pytest-xdist did not group {slurm[0]} (pytest {pytest.__version__}): the "
+                                    "Slurm tests would run at once on one cluster; use pytest < 9.2 or -n 0")
 
 
 def make_model_dir(path: str, preset: str, seed: int = 0, tie: bool = False) -> str:

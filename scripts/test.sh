@@ -19,8 +19,8 @@ if [ -z "${LOCKSTEP_NO_SLURM:-}" ] && [ "$(id -u)" = 0 ]; then
 fi
 cleanup() { [ -n "$started" ] && slurm/local/cluster.sh stop || true; }
 trap cleanup EXIT
-# Two pytest workers (pytest-xdist): a test's processes keep about 1.3 of 2 cores busy, so a second
-# worker fills the rest (a fixed 2, not -n auto: CI's 2 cores and 24 GiB are what it was measured on).
-# Tests sharing the Slurm cluster or one whole run stay on one worker (tests/conftest.py). `-n 0` (or
-# `-n 4` on a bigger machine) as an argument overrides it.
-.venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+# One process by default. `-n 2 --dist loadgroup` runs two pytest-xdist workers (23-26 min instead of
+# ~40 on 2 cores; tests sharing the Slurm cluster or one whole run stay on one worker, tests/conftest.py),
+# but the load it adds exposed a race in the spare-node test's final weight sync (README, "Tests"), so
+# it is not the default yet.
+.venv/bin/python -m pytest "$@"

@@ -118,11 +118,14 @@ def test_sglang_parser_refuses_what_it_does_not_know():
 
 
 def test_router_command_line_is_accepted_by_sglang_router():
-    argv = router_argv(["http://10.0.0.7:30011", "http://10.0.0.8:30011"], "127.0.0.1", 30999, "cache_aware", "tok")
-    (got,) = contract("router_args", [{"argv": argv, "expect": ["worker_urls", "policy", "host", "port", "api_key"]}])
+    argv = router_argv(["http://10.0.0.7:30011", "http://10.0.0.8:30011"], "127.0.0.1", 30999, "cache_aware", "tok",
+                       prometheus_port=31001)
+    (got,) = contract("router_args", [{"argv": argv, "expect": ["worker_urls", "policy", "host", "port", "api_key",
+                                                                "prometheus_host", "prometheus_port"]}])
     assert got["ok"], got
     assert got["values"] == {"worker_urls": ["http://10.0.0.7:30011", "http://10.0.0.8:30011"], "policy": "cache_aware",
-                             "host": "127.0.0.1", "port": 30999, "api_key": "tok"}
+                             "host": "127.0.0.1", "port": 30999, "api_key": "tok", "prometheus_host": "127.0.0.1",
+                             "prometheus_port": 31001}
 
 
 def client_endpoints() -> set[str]:

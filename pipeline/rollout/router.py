@@ -22,10 +22,15 @@ from pipeline.utils.proc import die_with_parent
 log = logging.getLogger("lockstep.router")
 
 
-def router_argv(worker_urls: list[str], host: str, port: int, policy: str, api_key: str | None = None) -> list[str]:
-    """`python -m sglang_router.launch_router` arguments (the contract tests parse them with its own parser)."""
+def router_argv(worker_urls: list[str], host: str, port: int, policy: str, api_key: str | None = None,
+                prometheus_port: int | None = None) -> list[str]:
+    """`python -m sglang_router.launch_router` arguments (the contract tests parse them with its own parser).
+    prometheus_port: where its metrics listen (the router's default, 29000, is one port per machine:
+    a second router on the node would die with "Address already in use")."""
     argv = ["--worker-urls", *worker_urls, "--host", host, "--port", str(port), "--policy", policy,
             "--log-level", "warn"]
+    if prometheus_port is not None:
+        argv += ["--prometheus-host", host, "--prometheus-port", str(prometheus_port)]
     if api_key:
         argv += ["--api-key", api_key]
     return argv
@@ -47,7 +52,7 @@ class SglangRouter:
         self.stop()
         port = free_port(self.host)
         cmd = [self.python, "-m", "sglang_router.launch_router",
-               *router_argv(worker_urls, self.host, port, self.policy, self.api_key)]
+               *router_argv(worker_urls, self.host, port, self.policy, self.api_key, free_port(self.host))]
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=die_with_parent)

@@ -16,9 +16,14 @@ torch.set_num_threads(1)
 
 
 # Whole runs (or kernel sweeps) that several tests read, from session or module fixtures: under
-# pytest-xdist (scripts/test.sh runs the suite on two workers) the tests sharing one go to one worker,
-# so it is made once.
+# pytest-xdist (`scripts/test.sh -n 2 --dist loadgroup`) the tests sharing one go to one worker, so it
+# is made once.
 SHARED = ("tiny_recipe_run", "ppo_small_run", "tracked_runs", "results")
+
+
+def uses_slurm(item) -> bool:
+    """Marked `slurm`, or asks for the cluster fixture."""
+    return item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ())
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -28,19 +33,12 @@ def pytest_collection_modifyitems(config, items):
     it. Order: the Slurm tests first (the longest chain), then the other slow ones, then the fast
     tier, whose short tests fill both workers to the end."""
     for item in items:
-        names = getattr(item, "fixturenames", ())
-        shared = [f for f in SHARED if f in names]
-        if item.get_closest_marker("slurm") is not None or "slurm" in names:
+        shared = [f for f in SHARED if f in getattr(item, "fixturenames", ())]
+        if uses_slurm(item):
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
-
-    def rank(item) -> int:
-        if item.get_closest_marker("slurm") is not None or "slurm" in getattr(item, "fixturenames", ()):
-            return 0
-        return 1 if item.get_closest_marker("slow") is not None else 2
-
-    items.sort(key=rank)
+    items.sort(key=lambda item: 0 if uses_slurm(item) else 1 if item.get_closest_marker("slow") is not None else 2)
 
 
 def pytest_collection_finish(session):
@@ -49,7 +47,7 @@ def pytest_collection_finish(session):
     pytest < 9.2)."""
     config = session.config
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
-        slurm = [i.nodeid for i in session.items if i.get_closest_marker("slurm") is not None]
+        slurm = [i.nodeid for i in session.items if uses_slurm(i)]
         if slurm and not all(n.endswith("@slurm") for n in slurm):
             raise pytest.UsageError(f"pytest-xdist did not group {slurm[0]} (pytest {pytest.__version__}): the "
                                     "Slurm tests would run at once on one cluster; use pytest < 9.2 or -n 0")

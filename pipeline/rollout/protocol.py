@@ -168,9 +168,9 @@ def update_flattened_bucket_body(flat: torch.Tensor, metadata: Sequence, tp_size
     """/update_weights_from_tensor with SGLang's `load_format: "flattened_bucket"`: one handle for the
     whole bucket (`flat`, uint8) and its tensors' metadata (tensor_bucket.flatten). `flat` must stay
     alive until every engine has answered."""
-    payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": list(metadata)})
     from pipeline.rollout import tensor_bucket
 
+    payload = serialize_named_tensors({"flattened_tensor": flat, "metadata": list(metadata)})
     return _tensor_body(payload, tensor_bucket.LOAD_FORMAT, tp_size, version, flush_cache)
 
 

@@ -6,6 +6,8 @@ hook is a no-op dictionary lookup):
   nan_grad_steps=A-B       trainer: the loss of rollout steps A..B (inclusive) is NaN
   slow_checkpoint=STEP:S   trainer: sleep S seconds inside the save of the step-STEP checkpoint, before
                            it is committed
+  slow_train_step=STEP:S   trainer: sleep S seconds before training rollout step STEP (its rollouts are
+                           committed: a window in which the rollout side has nothing left to do)
   engine_update_delay_s=S  engine: sleep S seconds before joining each weight-update broadcast
   engine_exit_at_request=N engine: exit (status 43) when its N-th /generate request arrives
   engine_decode_delay_s=S   engine: sleep S seconds before each decode step (requests stay in flight long
@@ -46,9 +48,14 @@ def in_range(name: str, n: int) -> bool:
     return int(lo) <= n <= int(hi or lo)
 
 
-def slow_checkpoint_s(step: int) -> float:
-    v = value("slow_checkpoint")
+def delay_at_s(name: str, step: int) -> float:
+    """The S of `name`=STEP:S when `step` is STEP, else 0."""
+    v = value(name)
     if not v:
         return 0.0
     at, _, secs = v.partition(":")
     return float(secs or 0) if int(at) == step else 0.0
+
+
+def slow_checkpoint_s(step: int) -> float:
+    return delay_at_s("slow_checkpoint", step)

@@ -43,6 +43,18 @@ def running_attempt(rundir: RunDir) -> dict | None:
     return rundir.running_attempt(("engine_0", "trainer_0", "rollout"), fresh_s=6)
 
 
+def recovered(rundir: RunDir, fault: str, before: dict, pids: dict) -> bool:
+    """The fault was seen and the run is up again: the killed process replaced, or a new job attempt."""
+    now = running_attempt(rundir)
+    if now is None:
+        return False
+    if fault in ("requeue", "node_down"):
+        return now["attempt"] > before["attempt"]
+    component = "engine_0" if fault == "kill_engine" else "trainer_0"
+    return rundir.heartbeats().get(component, {}).get("pid") not in (None, pids[component]) or \
+        now["attempt"] > before["attempt"]
+
+
 def inject(fault: str, rundir: RunDir, job: str, rng: random.Random, downed: list[str]) -> str:
     beats = rundir.heartbeats()
     if fault == "kill_engine":
@@ -87,11 +99,16 @@ def test_chaos_run_ends_bit_identical(slurm, tmp_path):  # noqa: F811
             assert wait_until(lambda: steps_done(run_dir) >= mark and running_attempt(rundir) is not None,
                               timeout=300, poll=0.2), (seed, plan, log)
             time.sleep(rng.uniform(0, 1.5))  # anywhere inside the step: rollout, train or weight sync
-            job, attempt = running_attempt(rundir)["job"], running_attempt(rundir)["attempt"]
-            log.append((steps_done(run_dir), inject(fault, rundir, job, rng, downed)))
+            before = running_attempt(rundir)
+            pids = {name: beat["pid"] for name, beat in rundir.heartbeats().items()}
+            log.append((steps_done(run_dir), inject(fault, rundir, before["job"], rng, downed)))
             print(f"chaos: {time.strftime('%H:%M:%S')} at step {log[-1][0]}: {log[-1][1]}", file=sys.stderr)
+            # the next fault only once this one is recovered from (a kill is a restart in place, a requeue
+            # or a lost node a new attempt): faults at once would be one recovery, and the history the
+            # assertions read would lose one (a requeue right after a kill ends the attempt before its
+            # driver has seen the kill)
+            assert wait_until(lambda: recovered(rundir, fault, before, pids), timeout=300), (seed, log)
             if fault == "node_down":  # the node comes back once the job runs again (elsewhere)
-                assert wait_until(lambda: (running_attempt(rundir) or {}).get("attempt", 0) > attempt, timeout=300), log
                 # (unless it is back already: the cluster's ReturnToService=2 returns a node that answers)
                 subprocess.run(["scontrol", "update", f"nodename={downed[-1]}", "state=resume"], capture_output=True)
         out, err = p.communicate(timeout=900)

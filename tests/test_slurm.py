@@ -56,9 +56,9 @@ def slurm():
         os.environ.pop("SLURM_CONF", None)
 
 
-def lockstep(*args, timeout=600):
+def lockstep(*args, timeout=600, env=None):
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
 def mean(xs):
@@ -413,10 +413,18 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm, tmp_path):
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_paired_jobs_find_each_other(slurm, tmp_path):
-    res = lockstep("submit", *LOCAL, *SMALL, f"run_dir={tmp_path}/run", "num_rollout=8", "slurm.mode=paired", "--wait")
+    """Two jobs, one run. The rollout job's engines serve until the trainer job is done: its rollout
+    manager commits the last step while the trainer still trains it (held 8 s here by a fault) and then
+    sends the final weights, which must find the engines (they stopped with the manager once, and the
+    send waited weights.timeout_s for them)."""
+    res = lockstep("submit", *LOCAL, *SMALL, f"run_dir={tmp_path}/run", "num_rollout=8", "slurm.mode=paired", "--wait",
+                   env=dict(os.environ, LOCKSTEP_FAULTS="slow_train_step=7:8"))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert len(read_metrics(f"{tmp_path}/run")) == 8
+    records = read_metrics(f"{tmp_path}/run")
+    assert [r["step"] for r in records] == list(range(8))
+    assert records[-1]["weights/bytes"] > 0 and records[-1]["perf/weight_sync_time_s"] < 60, records[-1]
     assert res.stderr.count("job ") >= 2
+    assert [e["event"] for e in RunDir(tmp_path / "run").read_events() if e["event"] != "start"] == ["end", "end"]
 
 
 @pytest.mark.slurm

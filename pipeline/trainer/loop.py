@@ -75,6 +75,7 @@ class Trainer:
             self.step = step
             times = [time.monotonic()]
             batch, commit = self.get_rollout(step, version=step)
+            time.sleep(faults.delay_at_s("slow_train_step", step))  # fault injection; 0 otherwise
             self.engine_memory(MemoryAction.RELEASE)  # colocated engines: the GPU is the trainer's until the update
             times.append(time.monotonic())
             train = self.train_step(batch)

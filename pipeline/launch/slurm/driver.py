@@ -116,11 +116,18 @@ class SlurmDriver(Checkpointable):
         return {"run_dir": self.run_dir, "steps": len(records), "reward_mean": last.get("rollout/reward_mean"),
                 "weights_version": last.get("weights/version"), "preempted": self.rundir.checkpoint_done()}
 
+    def run_over(self) -> bool:
+        """The trainer is done. A paired rollout job's engines serve until the trainer job says so
+        (control/STOP, after its final weight sync): its rollout manager committing the last step is not
+        the end, the trainer still trains that step and sends the result."""
+        return self.role != "rollout" or self.rundir.stop_requested()
+
     def on_term(self, signum, frame) -> None:
         self.ending = True
 
     def supervise(self) -> None:
-        """Return when the run is over (trainer finished, or the rollout side saw STOP); recover failures."""
+        """Return when the run is over (trainer finished; paired rollout side: its rollout manager finished
+        and the trainer job asked to stop); recover failures."""
         while True:
             if self.ending:
                 raise JobEnding()
@@ -136,7 +143,7 @@ class SlurmDriver(Checkpointable):
                         raise JobEnding()
                     self.recover(name, p, rc)
             main = self.procs.get("trainer") or self.procs["rollout"]
-            if main.popen.poll() == 0:
+            if main.popen.poll() == 0 and self.run_over():
                 return
             time.sleep(0.5)
 

@@ -19,8 +19,12 @@ if [ -z "${LOCKSTEP_NO_SLURM:-}" ] && [ "$(id -u)" = 0 ]; then
 fi
 cleanup() { [ -n "$started" ] && slurm/local/cluster.sh stop || true; }
 trap cleanup EXIT
-# One process by default. `-n 2 --dist loadgroup` runs two pytest-xdist workers (23-26 min instead of
-# ~40 on 2 cores; tests sharing the Slurm cluster or one whole run stay on one worker, tests/conftest.py),
-# but the load it adds exposed a race in the spare-node test's final weight sync (README, "Tests"), so
-# it is not the default yet.
-.venv/bin/python -m pytest "$@"
+# Two pytest-xdist workers by default (one test's processes keep about 1.3 of 2 cores busy, so a second
+# worker fills the rest: ~25 minutes instead of ~40 on 2 cores); tests sharing the Slurm cluster or one
+# whole run stay on one worker (tests/conftest.py). Arguments naming the workers (-n N, -n0, -p no:xdist)
+# replace the default.
+workers=(-n 2 --dist loadgroup)
+for arg in "$@"; do
+  case "$arg" in -n|-n*|--numprocesses*|no:xdist) workers=() ;; esac
+done
+.venv/bin/python -m pytest ${workers[@]+"${workers[@]}"} "$@"

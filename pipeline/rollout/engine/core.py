@@ -24,6 +24,7 @@ from pipeline import faults
 from pipeline.models.config import ModelArgs
 from pipeline.models.flat import flatten_parameters
 from pipeline.models.fp8 import load_into
+from pipeline.models.layers import stack_experts
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.decoder_layer import MoeRouting
 from pipeline.models.qwen3 import Qwen3ForCausalLM
@@ -155,6 +156,10 @@ class Engine:
         # Parameters as views of one buffer per dtype: an exported version is applied as one span copy
         # per bucket (pipeline/models/flat.py).
         self.flat_weights = flatten_parameters(self.model)
+        # MoE blocks: expert weights as [E, N, K] views of the flat buffer, for the grouped expert kernels
+        # (pipeline/models/layers.py run_experts; FP8 experts keep the per-expert loop). Updates copy into
+        # the parameters, which are those views' memory.
+        self.stacked_moe_blocks = stack_experts(self.model)
         self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
         self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise
         self.decode_delay_s = faults.seconds("engine_decode_delay_s")  # a fault: slow decoding; 0 otherwise

@@ -10,7 +10,10 @@ bi_matmul on that expert's rows alone (gate, up and down), and the block's outpu
 path equals the loop's, bitwise. Timings (median ms per MoE block forward, router included) at decode
 sizes, both modes: the loop (what the engine ran before: default mode cuBLAS per expert, batch-invariant
 mode bi_linear per expert, one host read per layer), the stacked path eager, and the stacked path
-replayed from a CUDA graph; ratios are loop / stacked. Writes moe_decode.json under --out.
+replayed from a CUDA graph; ratios are loop / stacked. Last (Qwen3-MoE presets), a 2-layer model of the
+preset's layers in a built-in engine, batch-invariant mode: decode through CUDA graphs equals every
+step eager bitwise (tokens, logprobs, routed experts), and the engine's logprobs equal a trainer-side
+forward's (experts unstacked: the per-expert loop) exactly. Writes moe_decode.json under --out.
 """
 
 from __future__ import annotations
@@ -126,6 +129,65 @@ def graphed(fn, device: str):
     return graph.replay
 
 
+def engine_check(preset: str, tiny: bool, device: str, dtype: torch.dtype) -> dict:
+    """A 2-layer model of the preset's layers in a built-in engine, batch-invariant mode: decode through
+    CUDA graphs (MoE graphs need the stacked path) equals every step eager, tokens, logprobs and routed
+    experts bitwise; and the engine's logprobs equal a trainer-side forward's (the per-expert loop,
+    experts unstacked), the true on-policy property."""
+    import dataclasses
+
+    from pipeline.models.attention import PackedCausal
+    from pipeline.models.layers import stack_experts, unstack_experts
+    from pipeline.models.logprobs import token_logprobs
+    from pipeline.models.qwen3 import Qwen3ForCausalLM
+    from pipeline.rollout.engine.core import Engine, Request, SamplingParams
+
+    args = model_preset("tiny-moe" if tiny else preset, 512, 1, 0, 0)
+    args = dataclasses.replace(args, num_hidden_layers=2, vocab_size=512)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(args)
+    model = model.to(dtype).to_empty(device=device)
+    model.init_weights(0)
+
+    def generate(graph_bs):
+        engine = Engine(model, max_running=8, context_length=96, eos_token_ids=[0], device=torch.device(device),
+                        dtype=dtype, cuda_graph_max_bs=graph_bs)
+        engine.capture_graphs()
+        g = torch.Generator().manual_seed(0)
+        reqs = [Request(torch.randint(1, 512, (3 + 5 * i,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=24 - 2 * i, ignore_eos=True, sampling_seed=i),
+                        return_routed_experts=True) for i in range(8)]
+        for r in reqs:
+            engine.submit(r)
+        while engine.waiting or engine.running:
+            engine.step()
+        return engine, reqs
+
+    out = {}
+    with torch.inference_mode():
+        kernels.set_batch_invariant(True)
+        eager, want = generate(0)
+        graphs, got = generate(8 if device == "cuda" else 0)
+        out["stacked_moe_blocks"] = graphs.stacked_moe_blocks
+        out["graph_replays"] = graphs.graphs.replays if graphs.graphs is not None else 0
+        same = all(a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
+                   and torch.equal(torch.cat(a.routed), torch.cat(b.routed)) for a, b in zip(want, got))
+        out["graphs_equal_eager"] = same
+        unstack_experts(model)  # the trainer's forward: the per-expert loop
+        seqs = [r.input_ids + r.output_ids for r in got]
+        ctx = PackedCausal.from_lengths([len(s) for s in seqs], device=device)
+        starts = torch.cumsum(torch.tensor([0] + [len(s) for s in seqs[:-1]]), 0)
+        pos = torch.cat([st + torch.arange(len(r.input_ids) - 1, len(s) - 1) for st, r, s in zip(starts, got, seqs)])
+        logits = model(torch.tensor([t for s in seqs for t in s], device=device), ctx.positions, ctx, None,
+                       logits_at_M=pos.to(device))
+        lp = token_logprobs(logits, torch.tensor([t for r in got for t in r.output_ids], device=device), 1.0)
+        eng = torch.tensor([x for r in got for x in r.output_logprobs], device=device)
+        out["engine_vs_trainer_max_abs_diff"] = float((lp - eng).abs().max())
+        stack_experts(model)
+        kernels.set_batch_invariant(False)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
@@ -182,6 +244,11 @@ def main(argv=None) -> int:
                 result["timings"].append(row)
                 print(json.dumps(row), flush=True)
         kernels.set_batch_invariant(False)
+    if not a.preset.startswith("deepseek"):
+        e = result["engine"] = engine_check(a.preset, a.tiny, device, dtype)
+        print("engine:", json.dumps(e), flush=True)
+        if not e["graphs_equal_eager"] or e["engine_vs_trainer_max_abs_diff"] != 0.0:
+            result["failures"].append(f"engine check: {e}")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "moe_decode.json")
     with open(path, "w") as f:

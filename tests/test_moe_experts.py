@@ -156,3 +156,34 @@ def test_engine_with_stacked_experts_generates_as_with_the_loop_also_after_an_up
         after = _generate(loop, prompts)
         assert after != before
         assert _generate(fast, prompts) == after
+
+
+def test_moe_engine_decodes_fixed_shape_steps_with_routing_records(moe_dir):
+    """MoE engines whose experts stacked decode through the fixed-shape (CUDA-graph) steps: the same
+    tokens, logprobs and routed experts as every step eager (batch-invariant mode: the padding rows
+    join the experts' GEMMs); an FP8 engine's experts do not stack and it keeps every step eager."""
+    from pipeline.models.hf_io import load_model
+    from pipeline.rollout.engine.core import Engine, Request, SamplingParams
+
+    def run(graph_bs, quantization=None):
+        _, model = load_model(moe_dir)
+        engine = Engine(model, max_running=4, context_length=48, eos_token_ids=[0], device=torch.device("cpu"),
+                        dtype=torch.float32, cuda_graph_max_bs=graph_bs, quantization=quantization)
+        reqs = [Request(p, SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True, sampling_seed=i),
+                        return_routed_experts=i != 1)
+                for i, (p, n) in enumerate([([5, 6, 7], 8), ([8, 9], 5), ([14], 8), ([3, 4, 5, 6], 3)])]
+        for r in reqs:
+            engine.submit(r)
+        while engine.waiting or engine.running:
+            engine.step()
+        return engine, [(r.output_ids, r.output_logprobs, torch.cat(r.routed).tolist() if r.routed else None)
+                        for r in reqs]
+
+    with kernels.batch_invariant_mode():
+        eager, want = run(0)
+        fixed, got = run(4)  # buckets 1, 2, 4: three running requests decode padded to four
+    assert eager.graphs is None and fixed.graphs is not None and fixed.graphs.replays > 0
+    assert got == want
+    assert want[0][2] is not None and len(want[0][2]) == 3 + 8 - 1 and want[1][2] is None
+    fp8, _ = run(4, quantization="fp8")
+    assert fp8.stacked_moe_blocks == 0 and fp8.graphs is None

@@ -24,7 +24,7 @@ from pipeline import faults
 from pipeline.models.config import ModelArgs
 from pipeline.models.flat import flatten_parameters
 from pipeline.models.fp8 import load_into
-from pipeline.models.layers import stack_experts
+from pipeline.models.layers import Experts, stack_experts
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.decoder_layer import MoeRouting
 from pipeline.models.qwen3 import Qwen3ForCausalLM
@@ -203,11 +203,14 @@ class Engine:
             from pipeline.rollout.engine.prefix_cache import PrefixCache
 
             self.prefix = PrefixCache(prefix_cache_tokens)
-        # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; dense
-        # models and plain decoding only (graphs.py says why). 0: every step eager. Captured on first
-        # use, or all at once by capture_graphs() (the server does so before it serves).
+        # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; plain
+        # decoding of dense models and of MoE models whose experts all stacked (graphs.py says why; the
+        # router-jitter fault perturbs eager steps only). 0: every step eager. Captured on first use, or
+        # all at once by capture_graphs() (the server does so before it serves).
         self.graphs = None
-        if cuda_graph_max_bs > 0 and not self.args.is_moe and self.spec is None:
+        moe_graphs = (self.stacked_moe_blocks == sum(isinstance(m, Experts) for m in self.model.modules())
+                      and not self.router_jitter)
+        if cuda_graph_max_bs > 0 and (not self.args.is_moe or moe_graphs) and self.spec is None:
             from pipeline.rollout.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.cache, min(cuda_graph_max_bs, max_running), device)
@@ -436,6 +439,8 @@ class Engine:
         starts = [r.num_tokens - 1 + ahead for r in reqs]
         if self.graphs is not None and b <= self.graphs.max_bs:
             logits = self.graphs.run(last, starts)
+            if any(r.return_routed_experts for r in reqs):
+                self._keep_routing(reqs, [1] * b, self.graphs.last_routing(b))
         else:
             ctx = CacheAttention(self.cache, list(range(b)), starts, [1] * b, self.device)
             record = any(r.return_routed_experts for r in reqs)

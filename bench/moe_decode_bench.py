@@ -151,7 +151,7 @@ def engine_check(preset: str, tiny: bool, device: str, dtype: torch.dtype) -> di
 
     def generate(graph_bs):
         engine = Engine(model, max_running=8, context_length=96, eos_token_ids=[0], device=torch.device(device),
-                        dtype=dtype, cuda_graph_max_bs=graph_bs)
+                        dtype=dtype, cuda_graph_max_bs=graph_bs, grouped_experts=True)
         engine.capture_graphs()
         g = torch.Generator().manual_seed(0)
         reqs = [Request(torch.randint(1, 512, (3 + 5 * i,), generator=g).tolist(),

@@ -119,7 +119,7 @@ def _engine(model_dir):
 
     _, model = load_model(model_dir)
     return Engine(model, max_running=4, context_length=48, eos_token_ids=[0], device=torch.device("cpu"),
-                  dtype=torch.float32)
+                  dtype=torch.float32, grouped_experts=True)
 
 
 def _ds_dir(tmp_path):
@@ -168,7 +168,8 @@ def test_moe_engine_decodes_fixed_shape_steps_with_routing_records(moe_dir):
     def run(graph_bs, quantization=None):
         _, model = load_model(moe_dir)
         engine = Engine(model, max_running=4, context_length=48, eos_token_ids=[0], device=torch.device("cpu"),
-                        dtype=torch.float32, cuda_graph_max_bs=graph_bs, quantization=quantization)
+                        dtype=torch.float32, cuda_graph_max_bs=graph_bs, quantization=quantization,
+                        grouped_experts=True)
         reqs = [Request(p, SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True, sampling_seed=i),
                         return_routed_experts=i != 1)
                 for i, (p, n) in enumerate([([5, 6, 7], 8), ([8, 9], 5), ([14], 8), ([3, 4, 5, 6], 3)])]

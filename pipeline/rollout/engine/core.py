@@ -133,6 +133,7 @@ class Engine:
         overlap: bool = False,
         fused_sampling: bool = True,
         prefix_cache_tokens: int = 0,
+        grouped_experts: bool = False,
     ):
         """overlap: overlapped decode (engine.overlap_schedule): step t+1 is launched from step t's tokens
         on the device before the host reads step t back (SGLang's overlap scheduler); GPUs, plain decode
@@ -141,7 +142,9 @@ class Engine:
         since then have not run on a GPU yet (BENCHMARKS.md). fused_sampling: the fused Triton sampler on
         GPUs (engine.sampling_backend=triton; rows without top-p/top-k), the same tokens as the torch path.
         prefix_cache_tokens: keep finished requests' KV for reuse by requests that share a prefix, up to this
-        many tokens (prefix_cache.py; 0: none; not with speculative decoding, whose draft cache it does not hold)."""
+        many tokens (prefix_cache.py; 0: none; not with speculative decoding, whose draft cache it does not hold).
+        grouped_experts: MoE blocks' expert weights stacked for the grouped expert kernels and MoE decode from
+        the fixed-shape steps (engine.moe_grouped_experts; GPUs; off: the per-expert loop, every MoE step eager)."""
         self.model = model.eval()
         self.overlap, self.fused_sampling = overlap, fused_sampling
         self.args: ModelArgs = model.args
@@ -159,7 +162,8 @@ class Engine:
         # MoE blocks: expert weights as [E, N, K] views of the flat buffer, for the grouped expert kernels
         # (pipeline/models/layers.py run_experts; FP8 experts keep the per-expert loop). Updates copy into
         # the parameters, which are those views' memory.
-        self.stacked_moe_blocks = stack_experts(self.model)
+        # Off by default (engine.moe_grouped_experts) until the grouped kernels have run on a GPU.
+        self.stacked_moe_blocks = stack_experts(self.model) if grouped_experts else 0
         self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
         self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise
         self.decode_delay_s = faults.seconds("engine_decode_delay_s")  # a fault: slow decoding; 0 otherwise

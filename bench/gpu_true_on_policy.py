@@ -22,6 +22,7 @@ import lockstep_kernels as kernels
 from pipeline.models.attention import PackedCausal
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.decoder_layer import MoeRouting
+from pipeline.models.layers import unstack_experts
 from pipeline.models.qwen3 import Qwen3ForCausalLM
 from pipeline.rollout.engine.core import Engine, Request, SamplingParams
 
@@ -44,6 +45,7 @@ def run(model, bi: bool, n_req=96, new=48):
         torch.cuda.synchronize()
         gen_s = time.perf_counter() - t0
         diffs, mism, comp = [], 0.0, 0.0
+        unstack_experts(model)  # the trainer computes experts by the per-expert loop (the engine stacked them)
         for chunk in (reqs[i: i + 7] for i in range(0, n_req, 7)):  # trainer packs 7 sequences per micro-batch
             seqs = [r.input_ids + r.output_ids for r in chunk]
             ctx = PackedCausal.from_lengths([len(s) for s in seqs], device=dev)

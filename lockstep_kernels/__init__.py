@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from lockstep_kernels.dispatch import set_backend
 from lockstep_kernels.mode import batch_invariant_mode, is_batch_invariant, set_batch_invariant
-from lockstep_kernels.ops import (GREEDY_EPS, attention, decode_attention, linear, log_softmax,
+from lockstep_kernels.ops import (GREEDY_EPS, attention, decode_attention, grouped_linear, linear, log_softmax,
                                   packed_causal_attention, rms_norm, scaled_logits, sigmoid, silu, softmax,
                                   token_logprobs, topk_indices)
 
 __all__ = ["batch_invariant_mode", "is_batch_invariant", "set_batch_invariant", "set_backend",
-           "linear", "attention", "packed_causal_attention", "decode_attention", "rms_norm", "log_softmax", "softmax",
-           "sigmoid", "silu", "topk_indices", "token_logprobs", "scaled_logits", "GREEDY_EPS"]
+           "linear", "grouped_linear", "attention", "packed_causal_attention", "decode_attention", "rms_norm",
+           "log_softmax", "softmax", "sigmoid", "silu", "topk_indices", "token_logprobs", "scaled_logits", "GREEDY_EPS"]

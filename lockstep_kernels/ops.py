@@ -40,6 +40,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch_ref.linear(x, weight, bias)
 
 
+def grouped_linear(x_AK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """Per-expert linear over rows grouped by expert: out[offsets[e]:offsets[e+1]] =
+    linear(x[offsets[e]:offsets[e+1]], w[e]), [A, N] (no bias; offsets_E1 int32, offsets[E] = A).
+
+    On GPUs in both modes one Triton launch for every expert (gpu/grouped_matmul.py), its expert rows
+    bitwise what `linear` gives them in batch-invariant mode; the offsets stay on the device (no host
+    sync, CUDA-graph capturable). Elsewhere the reference: `linear` per expert, the offsets read to the
+    host. Forward only (the engine's MoE decode); training runs the per-expert loop."""
+    if use_triton(x_AK):
+        from lockstep_kernels.gpu.grouped_matmul import bi_grouped_linear
+
+        return bi_grouped_linear(x_AK, w_ENK, offsets_E1)
+    bounds = offsets_E1.tolist()
+    out = [linear(x_AK[lo:hi], w_NK) for lo, hi, w_NK in zip(bounds, bounds[1:], w_ENK)]
+    return torch.cat(out) if out else x_AK.new_empty(0, w_ENK.shape[1])
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     if not _bi() or x.is_cuda:  # elementwise on GPUs: every element runs the same instructions
         return F.silu(x)

@@ -69,6 +69,55 @@ def check_matmul(small):
     return out
 
 
+def check_grouped_matmul(small):
+    """The grouped expert GEMM: each expert's rows bitwise what bi_matmul computes for them alone (the
+    true on-policy trainer's per-expert call), for uneven counts with experts of no rows, tiles past
+    BLOCK_M, and expert weights at a step as in the engine's flat buffer; and the engine's stacked
+    experts path (run_experts_stacked) bitwise the per-expert loop in batch-invariant mode."""
+    import lockstep_kernels as kernels
+    from lockstep_kernels.gpu.grouped_matmul import bi_grouped_linear
+    from lockstep_kernels.gpu.matmul import bi_matmul
+    from pipeline.models.layers import MLP, Experts, run_experts_loop, run_experts_stacked
+
+    e, n, k = (6, 40, 72) if small else (16, 768, 2048)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for counts in ([3, 0, 70, 1, 0, 131], [0, 0, 0, 0, 0, 2], [1, 1, 1, 1, 1, 1]):
+            counts = (counts * (e // len(counts)))[:e]
+            a = sum(counts)
+            x = randn(a, k, dtype=dtype, seed=1)
+            w_flat = randn(e * 3 * n * k, dtype=dtype, seed=2)  # expert i's weight at i * 3nk, as flattened
+            w = w_flat.as_strided((e, n, k), (3 * n * k, k, 1), n * k)
+            offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+            y = bi_grouped_linear(x, w, offsets)
+            lo = 0
+            for i, c in enumerate(counts):
+                alone = bi_matmul(x[lo: lo + c].contiguous(), w[i].t())
+                assert torch.equal(y[lo: lo + c], alone), ("expert rows differ from bi_matmul", dtype, counts, i)
+                lo += c
+            err = rel(y, torch.cat([x[o: o + c].double() @ w[i].double().t()
+                                    for i, (o, c) in enumerate(zip(offsets.tolist(), counts))]))
+            assert err < TOL[dtype], (dtype, counts, err)
+            out[f"{dtype}-{a}rows"] = err
+    d, i_size, experts_n = (24, 40, 7) if small else (2048, 768, 128)
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        experts = Experts(MLP(d, i_size) for _ in range(experts_n)).to(device=DEV, dtype=dtype)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0, 0.05)
+        assert experts.stack(cpu=True)
+        for tokens in ((1, 5, 37) if small else (1, 8, 64, 512)):
+            x = randn(tokens, d, dtype=dtype, seed=tokens)
+            idx = torch.rand(tokens, experts_n, device=DEV).topk(4, dim=-1).indices
+            w_Nk = torch.rand(tokens, 4, device=DEV).to(dtype)
+            with torch.no_grad(), kernels.batch_invariant_mode():
+                loop = run_experts_loop(experts, x, idx, w_Nk)
+                fast = run_experts_stacked(experts.stacked, x, idx, w_Nk)
+            assert torch.equal(fast, loop), ("stacked experts path != loop", dtype, tokens)
+    return out
+
+
 def check_rms_norm(small):
     from lockstep_kernels.gpu.rms_norm import bi_rms_norm
     from lockstep_kernels.torch_ref import rms_norm
@@ -554,7 +603,7 @@ def check_fp8_matmul_2g(small):
     return out
 
 
-CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
+CHECKS = {"matmul": check_matmul, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention,
           "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
           "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,

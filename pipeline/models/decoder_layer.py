@@ -14,7 +14,7 @@ import lockstep_kernels as kernels
 
 from pipeline.models.attention import AttentionContext
 from pipeline.models.config import ModelArgs
-from pipeline.models.layers import MLP, Linear, RMSNorm, run_experts
+from pipeline.models.layers import MLP, Experts, Linear, RMSNorm, run_experts
 from pipeline.models.rope import apply_rope
 
 
@@ -114,7 +114,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
+        self.experts = Experts(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
 
     def forward(self, x_ND, routing: MoeRouting | None, moe_idx: int):
         logits_NE = self.gate(x_ND)

@@ -24,7 +24,7 @@ from torch import nn
 import lockstep_kernels as kernels
 
 from pipeline.models.config import ModelArgs
-from pipeline.models.layers import MLP, run_experts
+from pipeline.models.layers import MLP, Experts, run_experts
 
 NORM_EPS = 1e-20  # transformers' denominator guard of the normalised top-k weights
 
@@ -77,7 +77,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = TopkRouter(args)
-        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
+        self.experts = Experts(MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(args.num_experts))
         self.shared_experts = (MLP(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
                                if args.n_shared_experts else None)
 

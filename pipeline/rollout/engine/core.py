@@ -24,6 +24,7 @@ from pipeline import faults
 from pipeline.models.config import ModelArgs
 from pipeline.models.flat import flatten_parameters
 from pipeline.models.fp8 import load_into
+from pipeline.models.layers import Experts, stack_experts
 from pipeline.models.logprobs import token_logprobs
 from pipeline.models.decoder_layer import MoeRouting
 from pipeline.models.qwen3 import Qwen3ForCausalLM
@@ -132,6 +133,7 @@ class Engine:
         overlap: bool = False,
         fused_sampling: bool = True,
         prefix_cache_tokens: int = 0,
+        grouped_experts: bool = False,
     ):
         """overlap: overlapped decode (engine.overlap_schedule): step t+1 is launched from step t's tokens
         on the device before the host reads step t back (SGLang's overlap scheduler); GPUs, plain decode
@@ -140,7 +142,9 @@ class Engine:
         since then have not run on a GPU yet (BENCHMARKS.md). fused_sampling: the fused Triton sampler on
         GPUs (engine.sampling_backend=triton; rows without top-p/top-k), the same tokens as the torch path.
         prefix_cache_tokens: keep finished requests' KV for reuse by requests that share a prefix, up to this
-        many tokens (prefix_cache.py; 0: none; not with speculative decoding, whose draft cache it does not hold)."""
+        many tokens (prefix_cache.py; 0: none; not with speculative decoding, whose draft cache it does not hold).
+        grouped_experts: MoE blocks' expert weights stacked for the grouped expert kernels and MoE decode from
+        the fixed-shape steps (engine.moe_grouped_experts; GPUs; off: the per-expert loop, every MoE step eager)."""
         self.model = model.eval()
         self.overlap, self.fused_sampling = overlap, fused_sampling
         self.args: ModelArgs = model.args
@@ -155,6 +159,11 @@ class Engine:
         # Parameters as views of one buffer per dtype: an exported version is applied as one span copy
         # per bucket (pipeline/models/flat.py).
         self.flat_weights = flatten_parameters(self.model)
+        # MoE blocks: expert weights as [E, N, K] views of the flat buffer, for the grouped expert kernels
+        # (pipeline/models/layers.py run_experts; FP8 experts keep the per-expert loop). Updates copy into
+        # the parameters, which are those views' memory.
+        # Off by default (engine.moe_grouped_experts) until the grouped kernels have run on a GPU.
+        self.stacked_moe_blocks = stack_experts(self.model) if grouped_experts else 0
         self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
         self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise
         self.decode_delay_s = faults.seconds("engine_decode_delay_s")  # a fault: slow decoding; 0 otherwise
@@ -198,11 +207,14 @@ class Engine:
             from pipeline.rollout.engine.prefix_cache import PrefixCache
 
             self.prefix = PrefixCache(prefix_cache_tokens)
-        # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; dense
-        # models and plain decoding only (graphs.py says why). 0: every step eager. Captured on first
-        # use, or all at once by capture_graphs() (the server does so before it serves).
+        # Fixed-shape decode steps (CUDA graphs on GPUs) for batches up to cuda_graph_max_bs; plain
+        # decoding of dense models and of MoE models whose experts all stacked (graphs.py says why; the
+        # router-jitter fault perturbs eager steps only). 0: every step eager. Captured on first use, or
+        # all at once by capture_graphs() (the server does so before it serves).
         self.graphs = None
-        if cuda_graph_max_bs > 0 and not self.args.is_moe and self.spec is None:
+        moe_graphs = (self.stacked_moe_blocks == sum(isinstance(m, Experts) for m in self.model.modules())
+                      and not self.router_jitter)
+        if cuda_graph_max_bs > 0 and (not self.args.is_moe or moe_graphs) and self.spec is None:
             from pipeline.rollout.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.cache, min(cuda_graph_max_bs, max_running), device)
@@ -431,6 +443,8 @@ class Engine:
         starts = [r.num_tokens - 1 + ahead for r in reqs]
         if self.graphs is not None and b <= self.graphs.max_bs:
             logits = self.graphs.run(last, starts)
+            if any(r.return_routed_experts for r in reqs):
+                self._keep_routing(reqs, [1] * b, self.graphs.last_routing(b))
         else:
             ctx = CacheAttention(self.cache, list(range(b)), starts, [1] * b, self.device)
             record = any(r.return_routed_experts for r in reqs)

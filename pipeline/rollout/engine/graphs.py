@@ -10,10 +10,12 @@ Elsewhere the same fixed-shape step runs eagerly, which is what the CPU tests ch
 buffers). Key lengths live on the device (kernels.decode_attention), so nothing in the step depends on
 the host.
 
-Dense models and plain decoding only: MoE routing groups tokens by expert with data-dependent shapes,
-and speculative verify steps change shape with the draft; both stay eager. MLA models (a dense
-DeepSeek-V3) decode through the latent cache here too (attend_latent); every DeepSeek-V3 checkpoint
-with MoE layers decodes eagerly.
+MoE models too where every MoE block has stacked expert weights (pipeline/models/layers.py: the grouped
+expert kernels keep the expert offsets on the device, so the step's launches do not depend on the
+routing); each step records its routing (the top-k expert ids of every MoE layer, static tensors the
+replay rewrites), which the engine reads back for requests that return routed experts. FP8 experts
+(per-expert loop, one host read per layer) and speculative verify steps (their shape changes with the
+draft) stay eager. MLA models (DeepSeek-V3) decode through the latent cache here too (attend_latent).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 import torch
 
 import lockstep_kernels as kernels
+from pipeline.models.decoder_layer import MoeRouting
 from pipeline.rollout.engine.kv_cache import KVCache, LatentCache
 
 log = logging.getLogger(__name__)
@@ -67,9 +70,12 @@ class _BucketStep:
         self.ctx = StaticDecodeAttention(cache, self.inputs[1])
         self.logits: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.routing = MoeRouting(record=True) if model.args.is_moe else None
 
     def forward(self) -> torch.Tensor:
-        return self.model(self.inputs[0], self.inputs[1], self.ctx, None, logits_at_M=self.ctx.rows)
+        if self.routing is not None:  # the last forward's records (in a graph: the captured ones, replays rewrite them)
+            self.routing.recorded = []
+        return self.model(self.inputs[0], self.inputs[1], self.ctx, self.routing, logits_at_M=self.ctx.rows)
 
     def capture(self, pool) -> None:
         """Warm up (Triton compiles, cuBLAS picks kernels) on a side stream, then capture. Warm-up runs
@@ -106,6 +112,7 @@ class DecodeGraphs:
         self.steps: dict[int, _BucketStep] = {}
         self.pool = None
         self.replays = 0
+        self.last: _BucketStep | None = None  # the step the last run() ran
 
     def bucket(self, b: int) -> int:
         return next(x for x in self.buckets if x >= b)
@@ -158,7 +165,14 @@ class DecodeGraphs:
         else:
             step.inputs.copy_(host, non_blocking=True)
         self.replays += 1
+        self.last = step
         return step.run()[:b]
+
+    def last_routing(self, b: int) -> MoeRouting:
+        """The routing the last run() recorded (MoE models), its first b rows (the padding rows' dropped)."""
+        routing = MoeRouting()
+        routing.recorded = [idx_Bk[:b] for idx_Bk in self.last.routing.recorded]
+        return routing
 
     def reset(self) -> None:
         """Forget every step (their graphs hold addresses of weights and cache memory, which a memory

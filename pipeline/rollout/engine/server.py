@@ -341,6 +341,8 @@ def parse_args(argv=None):
     p.add_argument("--disable-cuda-graph", action="store_true", help="every decode step eager (SGLang's flag)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run from a CUDA graph (default: --max-running-requests; GPU only)")
+    p.add_argument("--moe-grouped-experts", action="store_true",
+                   help="MoE: all experts of a projection in one grouped kernel, MoE decode from CUDA graphs (GPU only)")
     p.add_argument("--allow-all-interfaces", action="store_true", help="permit --host 0.0.0.0")
     p.add_argument("--startup-file", default=None, help="where to publish the start-up phases' seconds (JSON)")
     return p.parse_args(argv)
@@ -349,7 +351,7 @@ def parse_args(argv=None):
 def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, context_length: int,
                  mtp_layers: int | None = None, speculative_num_steps: int = 0, cuda_graph_max_bs: int | None = None,
                  quantization: str | None = None, overlap: bool = False, fused_sampling: bool = True,
-                 prefix_cache_tokens: int = 0, clock: StartupClock | None = None):
+                 prefix_cache_tokens: int = 0, grouped_experts: bool = False, clock: StartupClock | None = None):
     """The engine of a server, its decode graphs captured. cuda_graph_max_bs: None = max_running on a
     GPU, 0 = none (on CPUs always none: a graph there would only replay the same eager ops). overlap,
     fused_sampling: see Engine. `clock` times the phases (load, engine, graphs)."""
@@ -369,7 +371,7 @@ def build_engine(model_path: str, *, device: str, dtype: str, max_running: int, 
                         eos_token_ids=[tokenizer.eos_token_id], device=dev, dtype=tdtype,
                         speculative_num_steps=speculative_num_steps, cuda_graph_max_bs=graph_bs,
                         quantization=quantization, overlap=overlap, fused_sampling=fused_sampling,
-                        prefix_cache_tokens=prefix_cache_tokens)
+                        prefix_cache_tokens=prefix_cache_tokens, grouped_experts=grouped_experts)
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # loading's transient blocks (flattening copies the weights once)
     with clock.phase("graphs"):
@@ -391,7 +393,8 @@ def engine_from_args(args, clock: StartupClock | None = None):
                         cuda_graph_max_bs=0 if args.disable_cuda_graph else args.cuda_graph_max_bs,
                         quantization=args.quantization, overlap=args.overlap_schedule,
                         fused_sampling=args.sampling_backend == "triton",
-                        prefix_cache_tokens=args.prefix_cache_tokens, clock=clock)
+                        prefix_cache_tokens=args.prefix_cache_tokens, grouped_experts=args.moe_grouped_experts,
+                        clock=clock)
 
 
 def main(argv=None) -> None:

@@ -4,7 +4,7 @@ RL, trainer-engine logprob difference exactly 0 every step, all of it in under 1
 
     python bench/gpu_learning.py                     # one H200: configs/multidigit-{sft,grpo}.yaml
     python bench/gpu_learning.py --tiny              # CPU: tiny-dense, 1-2 digit problems, a few steps
-    python bench/gpu_learning.py --sft-steps 150 --rl-steps 250 --rl train.lr=5e-5   # calibrate
+    python bench/gpu_learning.py --sft-steps 120 --rl-steps 250 --rl train.lr=3e-6   # calibrate
 
 Phases, each the real job (`lockstep run`): data (`lockstep data make-multidigit`'s generator, seeded),
 SFT (trainer only; run_dir/hf is its export), RL (engine + trainer + rollout manager from that export,
@@ -53,8 +53,8 @@ TINY_SFT = [*TINY_COMMON, "model.init=tiny-dense", "rollout.rollout_batch_size=3
             "rollout.rollout_max_response_len=32", "train.lr=3e-3", "train.lr_warmup_steps=0", "train.min_lr=3e-4"]
 TINY_RL = [*TINY_COMMON, "engine.device=cpu", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
            "train.global_batch_size=32", "rollout.rollout_max_response_len=32", "engine.max_running_requests=64",
-           "eval.interval=2", "eval.n_samples_per_prompt=2", "train.lr=1e-3"]
-STEPS = {"gpu": (300, 200), "tiny": (30, 4)}  # (SFT, RL)
+           "eval.interval=2", "eval.n_samples_per_prompt=2", "train.lr=1e-3", "train.lr_warmup_steps=0"]
+STEPS = {"gpu": (80, 200), "tiny": (30, 4)}  # (SFT, RL)
 
 
 def run_phase(name: str, config: str, overrides: list[str], timeout_s: float) -> dict:
@@ -238,7 +238,7 @@ def copy_run(run_dir: str, dest: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU: tiny model, 1-2 digit problems, few steps")
-    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default 300; 30 with --tiny)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default 80; 30 with --tiny)")
     p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default 200; 4 with --tiny)")
     p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="override of the SFT config")
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE", help="override of the GRPO config")

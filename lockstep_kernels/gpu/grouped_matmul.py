@@ -8,8 +8,8 @@ loop (pipeline/models/layers.py run_experts), which autograd, FSDP and the unuse
 
 Bits: an expert's rows are computed exactly as `bi_matmul(x_rows_of_e, w[e].t())` computes them
 (matmul.py): the same pinned CONFIGS, the same [BLOCK_M, BLOCK_N] tiles starting at the expert's first
-row, rows past the expert's last masked to zero, K reduced from 0 upward in BLOCK_K steps into an fp32
-accumulator by the same tl.dot, the same IEEE / UPCAST flags. The true on-policy trainer computes
+row, computed by matmul.py's own tile routine (`_tile_acc`: rows past the expert's last read as zero, K
+reduced from 0 upward in BLOCK_K steps into an fp32 accumulator), the same IEEE / UPCAST flags. The true on-policy trainer computes
 experts with that per-expert call, and the engine's logprobs must equal the trainer's bit for bit.
 
 No host sync: the expert offsets stay on the device. The grid is fixed by the number of rows A and
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET
+from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, _tile_acc
 from lockstep_kernels.gpu.offsets import offset64
 
 
@@ -55,30 +55,14 @@ def _grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, offsets_ptr, N, K, E,
     first_tile = tl.sum(tl.where(mine, ends_E - tiles_E, 0), 0)
     row_end = tl.sum(tl.where(mine, hi_E, 0), 0)
     start_m = tl.sum(tl.where(mine, lo_E, 0), 0) + (tile - first_tile) * BLOCK_M
-    # From here on: matmul.py's tile, with the expert's weight and the expert's last row as M.
+    # matmul.py's tile (the same code), with the expert's weight and the expert's last row as M.
     start_n = pid_n * BLOCK_N
+    acc = _tile_acc(a_ptr, b_ptr + offset64(e, stride_be), start_m, start_n, row_end, N, K,
+                    stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     offs_m = start_m + rows
     offs_n = start_n + cols
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offset64(start_m, stride_am) + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = (b_ptr + offset64(e, stride_be) + offset64(start_n, stride_bn)
-              + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < row_end) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        if UPCAST:  # the CPU interpreter's tl.dot is wrong on bf16 inputs
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
     c_ptrs = (c_ptr + offset64(start_m, stride_cm) + offset64(start_n, stride_cn)
               + rows[:, None] * stride_cm + cols[None, :] * stride_cn)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < row_end) & (offs_n[None, :] < N))

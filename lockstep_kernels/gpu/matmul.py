@@ -29,27 +29,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C[m, n] = sum_k A[m, k] B[k, n] (+ bias[n]), k ascending in BLOCK_K chunks, fp32 accumulation."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-    # The tile's first row and column in int64 (offsets.py); offsets within the tile stay int32.
-    start_m = pid_m * BLOCK_M
-    start_n = pid_n * BLOCK_N
+def _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+              IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] tile of A @ B whose first row is start_m and first column start_n:
+    rows from M on read as zero, K reduced from 0 upward in BLOCK_K chunks by one tl.dot each. Every
+    batch-invariant matmul computes its tiles here (this kernel, grouped_matmul.py's), so a row's bits
+    are the same whichever of them computes it."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     offs_m = start_m + rows
     offs_n = start_n + cols
     offs_k = tl.arange(0, BLOCK_K)
+    # The tile's first row and column in int64 (offsets.py); offsets within the tile stay int32.
     a_ptrs = a_ptr + offset64(start_m, stride_am) + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offset64(start_n, stride_bn) + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -66,6 +58,31 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[m, n] = sum_k A[m, k] B[k, n] (+ bias[n]), k ascending in BLOCK_K chunks, fp32 accumulation."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    start_m = pid_m * BLOCK_M
+    start_n = pid_n * BLOCK_N
+    acc = _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                    IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    offs_m = start_m + rows
+    offs_n = start_n + cols
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += bias[None, :]

@@ -121,9 +121,11 @@ def cell_overrides(size: str, mode: str, tiny: bool) -> list[str]:
     return [*GPU_BASE, *extra, *MODES[mode]]
 
 
-def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: bool, timeout_s: float) -> dict:
+def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: bool, timeout_s: float,
+             extra: list[str] = ()) -> dict:
     run_dir = os.path.join(work, f"{size}-{mode}")
-    overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", f"num_rollout={steps}", *cell_overrides(size, mode, tiny)]
+    overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", f"num_rollout={steps}", *cell_overrides(size, mode, tiny),
+                 *extra]
     config = TINY_CONFIG if tiny else GPU_CONFIG
     cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *overrides, "--no-progress"]
     cell = {"size": size, "mode": mode, "command": f"lockstep run {config} " + " ".join(overrides[1:])}
@@ -247,6 +249,8 @@ def main() -> None:
     p.add_argument("--work", default=None, help="checkpoints and run dirs (default: a fresh temporary folder)")
     p.add_argument("--cell-timeout", type=float, default=300.0, help="seconds one cell may take")
     p.add_argument("--report", action="store_true", help="print the table of --out and exit")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override added to every cell of this call (repeatable; kept in each cell's command)")
     a = p.parse_args()
     out = a.out or os.path.join(REPO, "bench", "results", "cpu" if a.tiny else "h200", "matrix.json")
     if a.report:
@@ -273,7 +277,7 @@ def main() -> None:
         for mode in modes:
             if (mode in MOE_ONLY and "moe" not in size) or (size, mode) in SKIP:
                 continue
-            cell = run_cell(size, mode, model_dir, work, a.steps, a.tiny, a.cell_timeout)
+            cell = run_cell(size, mode, model_dir, work, a.steps, a.tiny, a.cell_timeout, a.set)
             cells.append(cell)
             merge(out, [cell], meta)  # written after every cell: a cut-off call keeps what ran
             line = {k: cell.get(k) for k in ("status", "wall_s", "startup_s", "step_s", "sync_s", "tokens_per_s_per_gpu",

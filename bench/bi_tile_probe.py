@@ -1,0 +1,124 @@
+"""Which output tilings of the batch-invariant matmul give the same bits, and how fast each is (issue 27).
+
+    PYTHONPATH=$PWD python3 bench/bi_tile_probe.py --out DIR        (a GPU; ~2-3 minutes)
+
+The batch-invariance argument of lockstep_kernels/gpu/matmul.py needs only the reduction over K to be
+fixed: BLOCK_K chunks from 0 upward, one tl.dot each, fp32 accumulation. The output tiling (BLOCK_M,
+BLOCK_N), the warps and the pipeline stages decide which program computes an element, not how. If every
+tiling with the same BLOCK_K gives the same bits on this GPU, the launcher may choose the tiling per M
+(small tiles at decode sizes, where 128 x 128 tiles leave most SMs idle) and stay batch-invariant.
+
+For every GEMM shape of the 1.7B and 4B presets (q/k/v/o, fused qkv, gate/up, fused gate_up, down, LM
+head) at M from 1 to 16384, against the pinned configuration (matmul.CONFIGS): each candidate tiling's
+output compared bitwise, its time, and cuBLAS's time (F.linear). Writes bi_tile_probe.json: per shape the
+pinned ratio (cuBLAS / pinned) and the best bit-identical candidate's ratio; and every candidate that
+differed in any bit (the tilings the launcher must never mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from lockstep_kernels.gpu.matmul import CONFIGS, _bi_matmul_kernel  # noqa: E402
+
+M_SIZES = (1, 16, 64, 256, 2048, 16384)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays the pinned one
+TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4),
+         (128, 128, 8), (128, 256, 8)]
+CANDIDATES = [(bm, bn, w, s) for bm, bn, w in TILES for s in (3, 4) if not (bm * bn >= 128 * 256 and s == 4)]
+
+
+def shapes(preset_names: list[str]) -> list[tuple[str, int, int]]:
+    from pipeline.models.config import REAL_SIZES, QWEN_VOCAB
+
+    out = {}
+    for name in preset_names:
+        s = REAL_SIZES[name]
+        h, hd, nh, nkv, inter = s["hidden_size"], s["head_dim"], s["num_attention_heads"], s["num_key_value_heads"], \
+            s["intermediate_size"]
+        for what, n, k in [("q", nh * hd, h), ("kv", nkv * hd, h), ("qkv", (nh + 2 * nkv) * hd, h), ("o", h, nh * hd),
+                           ("gate", inter, h), ("gate_up", 2 * inter, h), ("down", h, inter), ("lm_head", QWEN_VOCAB, h)]:
+            out.setdefault((n, k), f"{name} {what}")
+    return [(label, n, k) for (n, k), label in out.items()]
+
+
+def launch(a, b_KN, c, cfg):
+    m, k = a.shape
+    n = b_KN.shape[1]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _bi_matmul_kernel[grid](a, b_KN, c, c, m, n, k, a.stride(0), a.stride(1), b_KN.stride(0), b_KN.stride(1),
+                            c.stride(0), c.stride(1), HAS_BIAS=False, IEEE=False, UPCAST=False, **cfg)
+    return c
+
+
+def main() -> int:
+    import triton.testing
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
+    p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b")
+    p.add_argument("--m", default=",".join(map(str, M_SIZES)))
+    a = p.parse_args()
+    dt = torch.bfloat16
+    pinned = CONFIGS[dt]
+    timeit = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10, return_mode="median")  # noqa: E731
+    rows, differing = [], []
+    torch.manual_seed(0)
+    for label, n, k in shapes(a.presets.split(",")):
+        w = torch.randn(n, k, device="cuda", dtype=dt) * k ** -0.5
+        for m in map(int, a.m.split(",")):
+            if m * n > 2**32:
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=dt)
+            ref = launch(x, w.t(), torch.empty(m, n, device="cuda", dtype=dt), pinned)
+            t_cublas = timeit(lambda: F.linear(x, w))
+            buf = torch.empty_like(ref)
+            t_pinned = timeit(lambda: launch(x, w.t(), buf, pinned))
+            best = None
+            for bm, bn, warps, stages in CANDIDATES:
+                cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                try:
+                    out = launch(x, w.t(), torch.empty(m, n, device="cuda", dtype=dt), cfg)
+                except Exception as e:  # out of shared memory etc.: not a candidate here
+                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, warps, stages],
+                                      "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                    continue
+                same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
+                if not same:
+                    bad = (out.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
+                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, warps, stages],
+                                      "frac_bits_differ": bad})
+                    continue
+                t = timeit(lambda: launch(x, w.t(), out, cfg))
+                if best is None or t < best[0]:
+                    best = (t, [bm, bn, warps, stages])
+            row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
+                   "pinned_ratio": t_cublas / t_pinned,
+                   "best_cfg": best and best[1], "best_ms": best and best[0],
+                   "best_ratio": best and t_cublas / best[0]}
+            rows.append(row)
+            print(f"{label:<22} m={m:<6} n={n:<6} k={k:<5} cublas {t_cublas:8.4f} ms  pinned {row['pinned_ratio']:.2f}x"
+                  f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}", flush=True)
+            del x, ref, buf
+        del w
+        torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bi_tile_probe.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(0), "pinned": pinned, "candidates": CANDIDATES, "rows": rows,
+                   "differing": differing}, f, indent=1)
+    n_bits = sum(1 for d in differing if "frac_bits_differ" in d)
+    print(f"{len(rows)} shapes; candidates differing in bits: {n_bits}; failed to launch: {len(differing) - n_bits}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,18 +1,23 @@
-"""Batch-invariant kernels vs the default kernels (cuBLAS, SDPA, torch) on a GPU, measured side by side.
+"""Batch-invariant kernels vs the default kernels (cuBLAS, flash/SDPA, torch) on a GPU, measured side by side.
 
-    python bench/kernels_bench.py        -> table + results/kernels.json
+    python bench/kernels_bench.py                       -> table + results/kernels.json (the 0.5B table)
+    python bench/kernels_bench.py --presets 0.5b,1.7b,4b,moe-small   -> kernels_presets.json (issue 27)
 
-Ratios are default time / batch-invariant time (>= 1 means the invariant kernel is as fast). Shapes
-are those of a Qwen2.5-0.5B-sized model at a training micro-batch (8k tokens) and a decode step (64
-sequences); last, a whole forward of the model in true on-policy mode vs default.
+Ratios are default time / batch-invariant time (>= 1 means the invariant kernel is as fast). The first
+form: shapes of a Qwen2.5-0.5B-sized model at a training micro-batch (8k tokens) and a decode step (64
+sequences); last, a whole forward of the model in true on-policy mode vs default. --presets: every GEMM
+of each preset (q, k/v, fused qkv, o, gate/up, fused gate_up, down, LM head at vocabulary 151936) at M
+from 1 to 16384 tokens, and attention at each preset's heads: training (packed sequences: flash
+attention's varlen kernel vs the batch-invariant kernel on the padded grid, what each mode runs) and
+decode (one query per sequence over a KV cache: the default engine's split-KV kernel vs the batch-
+invariant kernel). Each row is marked against issue 27's bar: >= 0.9x at M >= 64, >= 0.8x at decode sizes.
 """
-
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from common import bench, device_info, qwen3_0p5b, write
+from common import bench, device_info, qwen3_0p5b, real_size, write
 
 import lockstep_kernels as kernels
 from lockstep_kernels.gpu.attention import bi_attention
@@ -21,7 +26,7 @@ from lockstep_kernels.gpu.matmul import bi_linear
 from lockstep_kernels.gpu.rms_norm import bi_rms_norm
 
 
-def main() -> None:
+def main_05b() -> None:
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     rows = []
@@ -84,5 +89,96 @@ def main() -> None:
     write("kernels", {"device": device_info(), "rows": rows})
 
 
+PRESETS = {"0.5b": "qwen3-0.5b", "1.7b": "qwen3-1.7b", "4b": "qwen3-4b", "moe-small": "qwen3-moe-small"}
+M_SIZES = (1, 8, 64, 256, 1024, 4096, 16384)
+DECODE_M = 64  # below this, a GEMM's M is a decode batch: the bar is 0.8x, not 0.9x
+
+
+def gemm_shapes(preset: str) -> list[tuple[str, int, int]]:
+    """(projection, N, K) of every linear layer of the preset's attention and dense MLP, and its LM head
+    (a MoE preset's experts are bench/moe_decode_bench.py's)."""
+    a = real_size(preset)
+    h, hd, nh, nkv = a.hidden_size, a.head_dim, a.num_attention_heads, a.num_key_value_heads
+    out = [("q", nh * hd, h), ("k/v", nkv * hd, h), ("qkv", (nh + 2 * nkv) * hd, h), ("o", h, nh * hd)]
+    if not a.is_moe:
+        i = a.intermediate_size
+        out += [("gate/up", i, h), ("gate_up", 2 * i, h), ("down", h, i)]
+    return out + [("lm_head", a.vocab_size, h)]
+
+
+def bar(m: int) -> float:
+    return 0.8 if m < DECODE_M else 0.9
+
+
+def main_presets(presets: list[str], m_sizes: list[int]) -> None:
+    import torch.nn.functional as F
+
+    from pipeline.models.attention import PackedCausal
+    from lockstep_kernels.gpu.decode_attention import decode_attention_fwd
+
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    rows = []
+
+    def add(preset, kind, name, m, default_fn, bi_fn, flops=None):
+        t_def, t_bi = bench(default_fn), bench(bi_fn)
+        row = {"preset": preset, "kind": kind, "op": name, "m": m, "default_ms": t_def, "bi_ms": t_bi,
+               "ratio": t_def / t_bi, "bar": bar(m), "meets": t_def / t_bi >= bar(m)}
+        if flops:
+            row["default_tflops"], row["bi_tflops"] = flops / t_def / 1e9, flops / t_bi / 1e9
+        rows.append(row)
+        print(f"{preset:<9} {name:<26} M={m:<6} default {t_def:8.3f} ms  bi {t_bi:8.3f} ms  {row['ratio']:5.2f}x"
+              f"  {'ok' if row['meets'] else 'BELOW ' + str(row['bar'])}", flush=True)
+
+    for key in presets:
+        preset = PRESETS[key]
+        for name, n, k in gemm_shapes(preset):
+            w = torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
+            for m in m_sizes:
+                x = torch.randn(m, k, device=dev, dtype=dt)
+                add(key, "gemm", f"{name} {n}x{k}", m, lambda: F.linear(x, w), lambda: bi_linear(x, w), 2 * m * n * k)
+                del x
+            del w
+            torch.cuda.empty_cache()
+        a = real_size(preset)
+        h, g, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        for seqs, length in [(8, 1024), (4, 4096)]:  # training micro-batches of 8k / 16k tokens
+            n = seqs * length
+            q = torch.randn(n, h, d, device=dev, dtype=dt)
+            kk, vv = torch.randn(n, g, d, device=dev, dtype=dt), torch.randn(n, g, d, device=dev, dtype=dt)
+            ctx = PackedCausal.from_lengths([length] * seqs, device=dev)
+
+            def attend_bi():
+                with kernels.batch_invariant_mode():
+                    return ctx.attend(0, q, kk, vv)
+
+            flops = 4 * seqs * h * length * length * d / 2
+            add(key, "attention", f"prefill {seqs}x{length}", n, lambda: ctx.attend(0, q, kk, vv), attend_bi, flops)
+            del q, kk, vv
+        for seqs, length in [(64, 512), (128, 2048)]:  # decode steps over a KV cache
+            q = torch.randn(seqs, h, d, device=dev, dtype=dt)
+            kc = torch.randn(seqs, g, length, d, device=dev, dtype=dt)
+            vc = torch.randn(seqs, g, length, d, device=dev, dtype=dt)
+            lens = torch.full((seqs,), length, device=dev, dtype=torch.int32)
+            qpos = torch.full((seqs, 1), length - 1, device=dev)
+            add(key, "attention", f"decode b{seqs} kv{length}", seqs, lambda: decode_attention_fwd(q, kc, vc, lens),
+                lambda: bi_attention(q[:, :, None], kc, vc, qpos))
+            del q, kc, vc
+        torch.cuda.empty_cache()
+    below = [r for r in rows if not r["meets"]]
+    print(f"{len(rows)} rows; below the bar: {len(below)} "
+          f"(gemm {sum(r['kind'] == 'gemm' for r in below)}, attention {sum(r['kind'] == 'attention' for r in below)})")
+    write("kernels_presets", {"device": device_info(), "bars": {"m>=64": 0.9, "decode": 0.8}, "rows": rows})
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", help="comma-separated: " + ",".join(PRESETS))
+    p.add_argument("--m", default=",".join(map(str, M_SIZES)), help="GEMM token counts")
+    args = p.parse_args()
+    if args.presets:
+        main_presets(args.presets.split(","), [int(m) for m in args.m.split(",")])
+    else:
+        main_05b()

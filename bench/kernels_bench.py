@@ -114,7 +114,7 @@ def main_presets(presets: list[str], m_sizes: list[int]) -> None:
     import torch.nn.functional as F
 
     from pipeline.models.attention import PackedCausal
-    from lockstep_kernels.gpu.decode_attention import decode_attention_fwd
+    from lockstep_kernels.gpu.decode_attention import bi_decode_attention, decode_attention_fwd
 
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -163,6 +163,8 @@ def main_presets(presets: list[str], m_sizes: list[int]) -> None:
             qpos = torch.full((seqs, 1), length - 1, device=dev)
             add(key, "attention", f"decode b{seqs} kv{length}", seqs, lambda: decode_attention_fwd(q, kc, vc, lens),
                 lambda: bi_attention(q[:, :, None], kc, vc, qpos))
+            add(key, "attention", f"decode b{seqs} kv{length} (bi decode kernel)", seqs,
+                lambda: decode_attention_fwd(q, kc, vc, lens), lambda: bi_decode_attention(q, kc, vc, lens))
             del q, kc, vc
         torch.cuda.empty_cache()
     below = [r for r in rows if not r["meets"]]

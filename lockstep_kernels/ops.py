@@ -104,18 +104,31 @@ def token_logprobs(logits_MV: torch.Tensor, tokens_M: torch.Tensor, temperature)
     return logp_MV.gather(-1, tokens_M[:, None].long()).squeeze(-1)
 
 
+# The batch-invariant decode kernel is used once tests/triton_checks.py bi_decode has shown its bits equal
+# to the attention kernel's on a GPU (it cannot be shown on the CPU interpreter: see that check).
+BI_DECODE = False
+
+
 def decode_attention(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Tensor, lens_B: torch.Tensor) -> torch.Tensor:
     """One query per sequence: q[b] attends to keys 0..lens[b]-1 of cache slot b (slots 0..B-1 of the
     [S, G, T, D] cache, S >= B, any T). Returns [B, H, D]. Key lengths stay on the device (no host sync,
-    same launches for every step: CUDA-graph safe). Batch-invariant mode: the attention kernel above
-    (its bits do not depend on T); default mode on GPUs: the split-key Triton decode kernel."""
+    same launches for every step: CUDA-graph safe). Default mode on GPUs: the split-key Triton decode
+    kernel. Batch-invariant mode: the bits of `attention` for the query at position lens[b] - 1 (which
+    do not depend on T): on GPUs the decode kernel in its batch-invariant form (one program per KV head
+    and sequence, gpu/decode_attention.py), else `attention` itself."""
     b = q_BHD.shape[0]
     k_BGTD, v_BGTD = k_SGTD[:b], v_SGTD[:b]
     qpos_B1 = (lens_B - 1)[:, None]
-    if not _bi() and use_triton(q_BHD):
-        from lockstep_kernels.gpu.decode_attention import decode_attention_fwd
+    if use_triton(q_BHD):
+        from lockstep_kernels.gpu.attention import KERNEL_DIMS, QUERY_ROWS
+        from lockstep_kernels.gpu.decode_attention import bi_decode_attention, decode_attention_fwd
 
-        return decode_attention_fwd(q_BHD, k_BGTD, v_BGTD, lens_B)
+        if not _bi():
+            return decode_attention_fwd(q_BHD, k_BGTD, v_BGTD, lens_B)
+        d, g = q_BHD.shape[-1], k_BGTD.shape[1]
+        if (BI_DECODE and d in KERNEL_DIMS and k_BGTD.shape[-1] == v_BGTD.shape[-1] == d
+                and q_BHD.shape[1] // g <= QUERY_ROWS):
+            return bi_decode_attention(q_BHD, k_BGTD, v_BGTD, lens_B)
     return attention(q_BHD[:, :, None], k_BGTD, v_BGTD, qpos_B1)[:, :, 0]
 
 

@@ -27,6 +27,7 @@ import triton.language as tl  # noqa: E402
 from lockstep_kernels.gpu.offsets import offset64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
@@ -229,6 +230,42 @@ def check_decode_attention(small):
                 err = rel(o, ref)
                 assert err < TOL[dtype] * 2, (dtype, b, h, g, d, t, splits, err)
                 out[f"{dtype}-b{b}h{h}g{g}d{d}t{t}-p{splits}"] = err
+    return out
+
+
+def check_bi_decode(small):
+    """The batch-invariant decode (one query per sequence, the group's heads as rows) vs the batch-
+    invariant attention kernel's prefill of each whole sequence: the decode query's output equals the
+    prefill's row at that position bitwise, at several batch sizes, lengths and GQA groups, in a cache
+    with more slots and positions than the sequences use. On a GPU only: the interpreter's tl.dot is
+    numpy's, whose bits for a row depend on its row in the tile (OpenBLAS's 6-row micro-kernel), and the
+    decode tile holds a query at the row of its head, the prefill tile at the row of its position."""
+    from lockstep_kernels.gpu.attention import bi_attention
+    from lockstep_kernels.gpu.decode_attention import bi_decode_attention
+
+    out = {}
+    cases = [(3, 4, 2, 16, 150, [1, 70, 150]), (2, 7, 1, 32, 80, [65, 3])] if small else [
+        (5, 14, 2, 64, 1100, [1, 63, 64, 65, 1100]), (3, 32, 8, 128, 2048, [2048, 7, 1000]),
+        (4, 16, 8, 128, 700, [700, 1, 129, 512]), (2, 16, 16, 64, 300, [300, 5]), (2, 8, 1, 256, 200, [200, 33])]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, g, d, t, lens in cases:
+            k, v = randn(b + 2, g, t + 7, d, dtype=dtype, seed=2), randn(b + 2, g, t + 7, d, dtype=dtype, seed=3)
+            q_full = randn(b, h, t, d, dtype=dtype, seed=1)  # every position's query; decode takes lens[b] - 1's
+            lens_B = torch.tensor(lens, device=DEV)
+            qpos = torch.arange(t, device=DEV)[None].expand(b, t).contiguous()
+            prefill = bi_attention(q_full, k[:b, :, :t], v[:b, :, :t], qpos)
+            last = lens_B - 1
+            q_dec = q_full[torch.arange(b, device=DEV), :, last].contiguous()
+            dec = bi_decode_attention(q_dec, k, v, lens_B)
+            want = prefill[torch.arange(b, device=DEV), :, last]
+            if INTERPRETED:  # numpy's matmul gives a row different bits at different row positions of a tile
+                assert rel(dec, want) < TOL[dtype], (dtype, b, h, g, d, t, rel(dec, want))
+            else:
+                assert torch.equal(dec, want), (dtype, b, h, g, d, t, float((dec.double() - want.double()).abs().max()))
+            # and a single sequence decoded alone gets the same bits as in the batch
+            one = bi_decode_attention(q_dec[1:2].contiguous(), k[1:2], v[1:2], lens_B[1:2])
+            assert torch.equal(one, dec[1:2]), (dtype, b, h, g, d, t, "alone")
+            out[f"{dtype}-b{b}h{h}g{g}d{d}t{t}"] = 0.0
     return out
 
 
@@ -604,7 +641,7 @@ def check_fp8_matmul_2g(small):
 
 
 CHECKS = {"matmul": check_matmul, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
-          "attention": check_attention, "decode_attention": check_decode_attention,
+          "attention": check_attention, "decode_attention": check_decode_attention, "bi_decode": check_bi_decode,
           "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
           "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,
           "log_softmax_2g": check_log_softmax_2g, "attention_2g": check_attention_2g,

@@ -60,6 +60,15 @@ def load_kv_block(k_row_ptr, v_row_ptr, cols, kmask, offs_d, sk_t, sv_t, UPCAST:
     return k, v
 
 
+QUERY_ROWS = 64  # query rows per tile (BLOCK_M): one Hopper warpgroup MMA's rows at num_warps=4
+
+
+def key_block(d: int) -> int:
+    """Keys per block (BLOCK_N) at head dim d. The key blocks fix the order of the online softmax's
+    reduction, so every kernel that must reproduce this one's bits visits keys in these blocks."""
+    return 64 if d <= 128 else 32
+
+
 @triton.jit
 def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
                          sq_b, sq_h, sq_q, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_h, so_q,
@@ -127,7 +136,7 @@ def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -
     assert q_BHQD.stride(-1) == 1 and k_BGTD.stride(-1) == 1 and v_BGTD.stride(-1) == 1, "head dim must be contiguous"
     out = torch.zeros_like(q_BHQD)
     qstart, qlen = query_spans(qpos_BQ)
-    block_m, block_n = 64, (64 if d <= 128 else 32)
+    block_m, block_n = QUERY_ROWS, key_block(d)
     tiles = triton.cdiv(q, block_m) + 1  # a span of q positions touches at most this many aligned tiles
     _bi_attention_kernel[(tiles, b * h)](
         q_BHQD, k_BGTD, v_BGTD, out, qstart, qlen,

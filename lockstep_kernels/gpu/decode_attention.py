@@ -7,8 +7,14 @@ by their log-sum-exp), `decode_attention_fwd` (launcher).
 The key length of each sequence is read from a device tensor inside the kernel, never from the host,
 and the split count depends only on the batch size: one launch serves every decode step of a batch
 bucket, so the engine can capture it in a CUDA graph (pipeline/rollout/engine/graphs.py). Inference
-only (no autograd), default mode only: batch-invariant runs use lockstep_kernels/gpu/attention.py, whose
-result does not depend on the split.
+only (no autograd).
+
+Batch-invariant mode (`bi_decode_attention`): one split, keys in attention.py's key blocks from 0
+upward, and the group's query heads padded to attention.py's 64 query rows: every query row then meets
+the same tile shapes, the same online-softmax steps in the same order and the same final division as
+in attention.py's `_bi_attention_kernel` (whose tiles hold 64 positions of one head instead of the heads
+of one position), so a decode step gets the bits a training forward computes for that token, and
+reads each key block once per KV head rather than once per query head and query tile.
 Legend: B sequences, H query heads, G kv heads, S cache slots (>= B), T cache length, D head dim,
 P key splits.
 """
@@ -19,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.attention import INTERPRET, load_kv_block, online_softmax_step
+from lockstep_kernels.gpu.attention import INTERPRET, QUERY_ROWS, key_block, load_kv_block, online_softmax_step
 from lockstep_kernels.gpu.offsets import offset64
 
 
@@ -91,17 +97,20 @@ def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) 
 
 
 def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Tensor, lens_B: torch.Tensor,
-                         splits: int | None = None) -> torch.Tensor:
-    """o[b, h] = attention of query q[b, h] over keys 0..lens[b]-1 of cache slot b (kv head h // (H/G))."""
+                         splits: int | None = None, rows: int | None = None) -> torch.Tensor:
+    """o[b, h] = attention of query q[b, h] over keys 0..lens[b]-1 of cache slot b (kv head h // (H/G)).
+    rows: query rows per program (the group's heads, zero-padded; default the next power of 2, >= 16)."""
     b, h, d = q_BHD.shape
     g, t = k_SGTD.shape[1], k_SGTD.shape[2]
     assert d in (16, 32, 64, 128, 256) and h % g == 0 and k_SGTD.shape[0] >= b, (q_BHD.shape, k_SGTD.shape)
     assert q_BHD.stride(-1) == 1 and k_SGTD.stride(-1) == 1 and v_SGTD.stride(-1) == 1, "head dim must be contiguous"
-    block_n = 64 if d <= 128 else 32
+    block_n = key_block(d)
+    group = h // g
+    rows = rows or max(16, triton.next_power_of_2(group))
+    assert rows >= group and rows == triton.next_power_of_2(rows), (rows, group)
     if splits is None:
         sms = torch.cuda.get_device_properties(q_BHD.device).multi_processor_count if q_BHD.is_cuda else 8
         splits = num_splits(b, g, t, block_n, sms)
-    group = h // g
     lens = lens_B.to(torch.int32)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q_BHD.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q_BHD.device)
@@ -109,10 +118,18 @@ def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torc
         q_BHD, k_SGTD, v_SGTD, lens, o_part, lse,
         q_BHD.stride(0), q_BHD.stride(1), k_SGTD.stride(0), k_SGTD.stride(1), k_SGTD.stride(2),
         v_SGTD.stride(0), v_SGTD.stride(1), v_SGTD.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1), splits, d ** -0.5, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=block_n,
+        lse.stride(0), lse.stride(1), splits, d ** -0.5, GROUP=group, GROUP_PAD=rows, D=d, BLOCK_N=block_n,
         UPCAST=INTERPRET, IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q_BHD)
     _decode_combine_kernel[(b * h,)](o_part, lse, out, o_part.stride(1), o_part.stride(2), out.stride(0), out.stride(1),
                                      h, splits, P_PAD=max(2, triton.next_power_of_2(splits)), D=d, num_warps=1)
     return out
+
+
+def bi_decode_attention(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Tensor,
+                        lens_B: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant decode (module docstring): bitwise attention.py's `bi_attention` of the query at
+    position lens[b] - 1, for head dims q = k = v in attention.KERNEL_DIMS and groups of at most 64 heads."""
+    assert q_BHD.shape[1] // k_SGTD.shape[1] <= QUERY_ROWS
+    return decode_attention_fwd(q_BHD, k_SGTD, v_SGTD, lens_B, splits=1, rows=QUERY_ROWS)

@@ -70,6 +70,31 @@ def check_matmul(small):
     return out
 
 
+def check_matmul_tilings(small):
+    """bi_linear at M from 1 to 4096 rows gives every row the bits it gets in a 4096-row product,
+    whichever output tiling matmul.tiling picks for each M (GPU shapes of the 1.7B and 4B presets;
+    with matmul.TILINGS empty for this GPU, one tiling, and this is check_matmul at more sizes)."""
+    from lockstep_kernels.gpu.matmul import TILINGS, bi_linear, tiling
+
+    cap = torch.cuda.get_device_capability() if DEV == "cuda" else None
+    shapes = [(40, 24)] if small else [(2048, 4096), (2560, 19456), (9728, 2560), (2048, 151936)]
+    ms = (1, 3, 16, 17, 64, 100) if small else (1, 3, 8, 16, 17, 33, 64, 100, 256, 1000, 2048)
+    full_m = 128 if small else 4096
+    out = {"tilings": {str(m): [tiling(m, torch.bfloat16, cap)[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps",
+                                                                             "num_stages")] for m in ms},
+           "table_entries": len(TILINGS.get(cap, {}).get(torch.bfloat16, []))}
+    for k, n in shapes:
+        x, w = randn(full_m, k, dtype=torch.bfloat16, seed=1), randn(n, k, dtype=torch.bfloat16, seed=2) * k ** -0.5
+        y = bi_linear(x, w)
+        g = torch.Generator(device="cpu").manual_seed(k + n)
+        for m in ms:
+            rows = torch.randperm(full_m, generator=g)[:m].to(DEV)  # any rows, in any order
+            assert torch.equal(bi_linear(x[rows], w), y[rows]), ("rows differ at", m, k, n)
+        out[f"{k}x{n}"] = 0.0
+        del x, w, y
+    return out
+
+
 def check_grouped_matmul(small):
     """The grouped expert GEMM: each expert's rows bitwise what bi_matmul computes for them alone (the
     true on-policy trainer's per-expert call), for uneven counts with experts of no rows, tiles past
@@ -640,7 +665,7 @@ def check_fp8_matmul_2g(small):
     return out
 
 
-CHECKS = {"matmul": check_matmul, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
+CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention, "bi_decode": check_bi_decode,
           "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
           "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,

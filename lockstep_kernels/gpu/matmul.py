@@ -11,6 +11,7 @@ split-K, so row m of the output depends only on row m of x, never on M or on the
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,13 +20,42 @@ import triton.language as tl
 
 from lockstep_kernels.gpu.offsets import offset64
 
-# Pinned tile configurations, by input dtype (never by shape).
+# Pinned tile configurations, by input dtype. BLOCK_K (with the loop from k = 0 upward) is the reduction
+# order and never changes; the output tiling may, per M, from TILINGS below.
 CONFIGS = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Output tilings by M on GPUs of one compute capability: (largest M, BLOCK_M, BLOCK_N, num_warps,
+# num_stages), first match wins, M past the last entry takes CONFIGS. An entry belongs here only when
+# bench/bi_tile_probe.py has shown on such a GPU that it gives CONFIGS' bits at every preset shape (the
+# reduction is the same; whether the MMA instruction a tile shape selects rounds alike is measured, not
+# assumed), and tests/triton_checks.py matmul_tilings checks it again. Empty: one tiling for every M.
+TILINGS: dict[tuple[int, int], dict[torch.dtype, list[tuple[int, int, int, int, int]]]] = {}
+
+
+def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> dict:
+    """The kernel configuration for an M-row product: CONFIGS[dtype] with the output tiling TILINGS
+    gives this GPU for M. A pure function of (M, dtype, GPU): a row's bits never depend on it."""
+    cfg = dict(CONFIGS[dtype])
+    for max_m, bm, bn, warps, stages in TILINGS.get(capability, {}).get(dtype, []):
+        if m <= max_m:
+            cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            break
+    return cfg
+
+
+def _capability(t: torch.Tensor) -> tuple[int, int] | None:
+    return _device_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
+        if t.is_cuda else None
+
+
+@functools.cache
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @triton.jit
@@ -92,7 +122,7 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 
 
 def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (+ bias) with the pinned configuration of a's dtype. Output dtype = a's dtype."""
+    """a @ b (+ bias) with a's dtype's reduction order and the tiling for M (`tiling`). Output dtype = a's."""
     assert a_MK.dim() == 2 and b_KN.dim() == 2 and a_MK.shape[1] == b_KN.shape[0], (a_MK.shape, b_KN.shape)
     assert a_MK.dtype == b_KN.dtype, "bi_matmul needs matching input dtypes"
     if a_MK.dtype not in CONFIGS:
@@ -102,7 +132,7 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | Non
     c = torch.empty((m, n), dtype=a_MK.dtype, device=a_MK.device)
     if m == 0 or n == 0:
         return c
-    cfg = CONFIGS[a_MK.dtype]
+    cfg = tiling(m, a_MK.dtype, _capability(a_MK))
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _bi_matmul_kernel[grid](
         a_MK, b_KN, c, bias_N if bias_N is not None else c, m, n, k,

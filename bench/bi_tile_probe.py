@@ -4,9 +4,11 @@
 
 The batch-invariance argument of lockstep_kernels/gpu/matmul.py needs only the reduction over K to be
 fixed: BLOCK_K chunks from 0 upward, one tl.dot each, fp32 accumulation. The output tiling (BLOCK_M,
-BLOCK_N), the warps and the pipeline stages decide which program computes an element, not how. If every
-tiling with the same BLOCK_K gives the same bits on this GPU, the launcher may choose the tiling per M
-(small tiles at decode sizes, where 128 x 128 tiles leave most SMs idle) and stay batch-invariant.
+BLOCK_N), the warps and the pipeline stages decide which program computes an element, not how; but a
+tile shape also picks the MMA instruction (Hopper's wgmma needs 64-row tiles; smaller ones get mma.sync),
+and whether those round alike is a fact of the GPU, not of the argument. If every tiling gives the same
+bits on this GPU, the launcher may choose the tiling per M (small tiles at decode sizes, where 128 x 128
+tiles leave most SMs idle) and stay batch-invariant: matmul.TILINGS takes only what this probe shows.
 
 For every GEMM shape of the 1.7B and 4B presets (q/k/v/o, fused qkv, gate/up, fused gate_up, down, LM
 head) at M from 1 to 16384, against the pinned configuration (matmul.CONFIGS): each candidate tiling's
@@ -31,10 +33,12 @@ import triton  # noqa: E402
 from lockstep_kernels.gpu.matmul import CONFIGS, _bi_matmul_kernel  # noqa: E402
 
 M_SIZES = (1, 16, 64, 256, 2048, 16384)
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K stays the pinned one
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K 64 is the pinned one; the few with 32 or
+# 128 ask whether a tl.dot over a longer chunk is the same chain of k16 MMAs into the accumulator.
 TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4),
          (128, 128, 8), (128, 256, 8)]
-CANDIDATES = [(bm, bn, w, s) for bm, bn, w in TILES for s in (3, 4) if not (bm * bn >= 128 * 256 and s == 4)]
+CANDIDATES = [(bm, bn, 64, w, s) for bm, bn, w in TILES for s in (3, 4) if not (bm * bn >= 128 * 256 and s == 4)] + [
+    (128, 128, 128, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (16, 64, 128, 4, 3)]
 
 
 def shapes(preset_names: list[str]) -> list[tuple[str, int, int]]:
@@ -84,23 +88,23 @@ def main() -> int:
             buf = torch.empty_like(ref)
             t_pinned = timeit(lambda: launch(x, w.t(), buf, pinned))
             best = None
-            for bm, bn, warps, stages in CANDIDATES:
-                cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+            for bm, bn, bk, warps, stages in CANDIDATES:
+                cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 try:
                     out = launch(x, w.t(), torch.empty(m, n, device="cuda", dtype=dt), cfg)
                 except Exception as e:  # out of shared memory etc.: not a candidate here
-                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, warps, stages],
+                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
                                       "error": f"{type(e).__name__}: {str(e)[:120]}"})
                     continue
                 same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
                 if not same:
                     bad = (out.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
-                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, warps, stages],
+                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
                                       "frac_bits_differ": bad})
                     continue
                 t = timeit(lambda: launch(x, w.t(), out, cfg))
                 if best is None or t < best[0]:
-                    best = (t, [bm, bn, warps, stages])
+                    best = (t, [bm, bn, bk, warps, stages])
             row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
                    "pinned_ratio": t_cublas / t_pinned,
                    "best_cfg": best and best[1], "best_ms": best and best[0],

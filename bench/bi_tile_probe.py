@@ -98,7 +98,7 @@ def main() -> int:
                     continue
                 same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
                 if not same:
-                    bad = (out.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
+                    bad = (out.view(torch.int16) != ref.view(torch.int16)).sum().item() / out.numel()
                     differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
                                       "frac_bits_differ": bad})
                     continue

@@ -7,8 +7,8 @@ The default task (configs/tiny.yaml: single-digit sums, "3+4=" -> "7", reward 1 
 from a randomly initialised preset (deepseek-v3-small: DeepSeek-V3's layers at real widths; or
 qwen3-moe-small). A random model of a 129280-row vocabulary almost never says a digit, so GRPO would see
 no reward at all; a short format warm start fixes that without teaching a single sum: SFT on the train
-prompts with *random* digits as labels (seeded), so the model answers "a digit, then end-of-text" and is
-right about one time in ten. Then GRPO (true on-policy, R3, colocated engine) from its export. What the
+prompts, each with every digit as its label once, so the model answers "a digit, then end-of-text" with
+the digits spread evenly, and is right about one time in ten. Then GRPO (true on-policy, R3, colocated engine) from its export. What the
 run shows: train reward per step rising from the format-only level, held-out pass@1 (data/arith/test.jsonl,
 sums the training prompts do not hold) before and after, and trainer-engine logprob diff and routing
 mismatch exactly 0 every step. Writes moe_learning.json and moe_learning.png to --out.
@@ -35,7 +35,8 @@ from pipeline.run import RunDir  # noqa: E402
 
 SFT_CONFIG, RL_CONFIG = "configs/sft-tiny.yaml", "configs/tiny.yaml"
 GPU_COMMON = ["model.dtype=bfloat16", "train.device=cuda", "train.recompute_activations=true", "logging.plot=false"]
-GPU_SFT = [*GPU_COMMON, "train.lr=1e-4", "checkpoint.save_interval=0", "checkpoint.save_final=false"]
+GPU_SFT = [*GPU_COMMON, "train.lr=1e-4", "rollout.rollout_batch_size=32", "train.global_batch_size=32",
+           "checkpoint.save_interval=0", "checkpoint.save_final=false"]
 GPU_RL = [*GPU_COMMON, "train.lr=3e-5", "engine.device=cuda", "weights.type=tensor", "engine.colocated=true",
           "determinism.true_on_policy=true", "determinism.routing_replay=true", "checkpoint.save_final=false",
           "checkpoint.export_hf=false", "eval.interval=10"]
@@ -46,13 +47,15 @@ STEPS = {"gpu": (20, 40), "tiny": (20, 30)}  # (format SFT, RL)
 
 
 def format_data(path: str, seed: int) -> int:
-    """data/arith/train.jsonl's prompts with random single digits as labels: the answer's form, no sums."""
-    rng = random.Random(seed)
+    """data/arith/train.jsonl's prompts, each once with every digit as its label (shuffled, seeded): the
+    answer's form and no sum, and no one wrong digit per prompt to memorise either, so the warm start
+    answers each prompt with a spread of digits and GRPO's groups disagree."""
     with open(os.path.join(REPO, "data", "arith", "train.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    rows = [{"prompt": p, "label": str(d)} for p in prompts for d in range(10)]
+    random.Random(seed).shuffle(rows)
     with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps({"prompt": row["prompt"], "label": str(rng.randrange(10))}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     return len(rows)
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lockstep_kernels.gpu.grid import checked
 from lockstep_kernels.gpu.offsets import offset64
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -83,8 +84,8 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
     from a prefill or a single decode step. So every product and sum a query takes part in sits at
     the same place in the same-shaped tiles in both cases.
     """
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)  # sequences x heads on the first axis: the one that allows 2^31 - 1 (grid.py)
+    pid = tl.program_id(1)
     b = bh // H
     h = bh % H
     g = h // (H // G)
@@ -129,6 +130,12 @@ def query_spans(qpos_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qstart.to(torch.int32).contiguous(), consecutive.sum(1).to(torch.int32).contiguous()
 
 
+def attention_grid(b: int, h: int, q: int) -> tuple[int, int]:
+    """(sequences x heads, query tiles): a span of q positions touches at most cdiv(q, 64) + 1 aligned
+    tiles; the product that grows with the batch on the first axis (grid.py)."""
+    return checked("bi_attention", (b * h, triton.cdiv(q, QUERY_ROWS) + 1))
+
+
 def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -> torch.Tensor:
     b, h, q, d = q_BHQD.shape
     g, t = k_BGTD.shape[1], k_BGTD.shape[2]
@@ -137,8 +144,7 @@ def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -
     out = torch.zeros_like(q_BHQD)
     qstart, qlen = query_spans(qpos_BQ)
     block_m, block_n = QUERY_ROWS, key_block(d)
-    tiles = triton.cdiv(q, block_m) + 1  # a span of q positions touches at most this many aligned tiles
-    _bi_attention_kernel[(tiles, b * h)](
+    _bi_attention_kernel[attention_grid(b, h, q)](
         q_BHQD, k_BGTD, v_BGTD, out, qstart, qlen,
         q_BHQD.stride(0), q_BHQD.stride(1), q_BHQD.stride(2), k_BGTD.stride(0), k_BGTD.stride(1), k_BGTD.stride(2),
         v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),

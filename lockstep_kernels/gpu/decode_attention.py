@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lockstep_kernels.gpu.attention import INTERPRET, QUERY_ROWS, key_block, load_kv_block, online_softmax_step
+from lockstep_kernels.gpu.grid import checked
 from lockstep_kernels.gpu.offsets import offset64
 
 
@@ -114,7 +115,7 @@ def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torc
     lens = lens_B.to(torch.int32)
     o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q_BHD.device)
     lse = torch.empty(b, h, splits, dtype=torch.float32, device=q_BHD.device)
-    _decode_split_kernel[(b, g, splits)](
+    _decode_split_kernel[checked("decode_attention", (b, g, splits))](
         q_BHD, k_SGTD, v_SGTD, lens, o_part, lse,
         q_BHD.stride(0), q_BHD.stride(1), k_SGTD.stride(0), k_SGTD.stride(1), k_SGTD.stride(2),
         v_SGTD.stride(0), v_SGTD.stride(1), v_SGTD.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),

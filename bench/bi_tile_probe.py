@@ -52,7 +52,18 @@ def shapes(preset_names: list[str]) -> list[tuple[str, int, int]]:
         for what, n, k in [("q", nh * hd, h), ("kv", nkv * hd, h), ("qkv", (nh + 2 * nkv) * hd, h), ("o", h, nh * hd),
                            ("gate", inter, h), ("gate_up", 2 * inter, h), ("down", h, inter), ("lm_head", QWEN_VOCAB, h)]:
             out.setdefault((n, k), f"{name} {what}")
+        if s.get("moe_intermediate_size"):  # the experts' projections: the trainer runs them through bi_matmul
+            mi = s["moe_intermediate_size"]  # per expert, the engine through the grouped kernel's tiles
+            out.setdefault((mi, h), f"{name} expert gate/up")
+            out.setdefault((h, mi), f"{name} expert down")
     return [(label, n, k) for (n, k), label in out.items()]
+
+
+def save(out_dir: str, pinned: dict, rows: list, differing: list) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bi_tile_probe.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(0), "pinned": pinned, "candidates": CANDIDATES, "rows": rows,
+                   "differing": differing}, f, indent=1)
 
 
 def launch(a, b_KN, c, cfg):
@@ -69,7 +80,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
-    p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b")
+    p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b,qwen3-moe-small")
     p.add_argument("--m", default=",".join(map(str, M_SIZES)))
     a = p.parse_args()
     dt = torch.bfloat16
@@ -115,10 +126,8 @@ def main() -> int:
             del x, ref, buf
         del w
         torch.cuda.empty_cache()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bi_tile_probe.json"), "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(0), "pinned": pinned, "candidates": CANDIDATES, "rows": rows,
-                   "differing": differing}, f, indent=1)
+        save(a.out, pinned, rows, differing)  # after every shape: a cut-off call keeps what ran
+    save(a.out, pinned, rows, differing)
     n_bits = sum(1 for d in differing if "frac_bits_differ" in d)
     print(f"{len(rows)} shapes; candidates differing in bits: {n_bits}; failed to launch: {len(differing) - n_bits}")
     return 0

@@ -129,6 +129,8 @@ def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: 
     config = TINY_CONFIG if tiny else GPU_CONFIG
     cmd = [sys.executable, "-m", "pipeline.cli", "run", config, *overrides, "--no-progress"]
     cell = {"size": size, "mode": mode, "command": f"lockstep run {config} " + " ".join(overrides[1:])}
+    if extra:  # --set: not the matrix's own settings; say so in the cell (and its table row)
+        cell["set"] = list(extra)
     t0 = time.time()
     try:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -225,13 +227,17 @@ def table(data: dict) -> str:
     for c in data["cells"]:
         if c["status"] != "ok":
             reason = c.get("error", "")
-            rows.append(f"| {c['size']} | {c['mode']} | {c['status']}: {reason[:160]} | | | | | | |")
+            rows.append(f"| {c['size']} | {c['mode']}{_set(c)} | {c['status']}: {reason[:160]} | | | | | | |")
             continue
-        rows.append(f"| {c['size']} | {c['mode']} | ok | {_f(c.get('startup_s'), 1)} | {_f(c['step_s'], 2)} | "
+        rows.append(f"| {c['size']} | {c['mode']}{_set(c)} | ok | {_f(c.get('startup_s'), 1)} | {_f(c['step_s'], 2)} | "
                     f"{_f(c['rollout_s'], 2)} / {_f(c['train_s'], 2)} / {_f(c['sync_s'], 3)} | "
                     f"{c['tokens_per_s_per_gpu']:.0f} | {_f(c['trainer_peak_gib'], 1)} / {_f(c['engine_peak_gib'], 1)} | "
                     f"{c['max_logprob_diff']:.3g} |")
     return "\n".join(rows)
+
+
+def _set(cell: dict) -> str:
+    return f" ({', '.join(cell['set'])})" if cell.get("set") else ""
 
 
 def _f(v, digits: int) -> str:
@@ -250,7 +256,8 @@ def main() -> None:
     p.add_argument("--cell-timeout", type=float, default=300.0, help="seconds one cell may take")
     p.add_argument("--report", action="store_true", help="print the table of --out and exit")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="an override added to every cell of this call (repeatable; kept in each cell's command)")
+                   help="an override added to every cell of this call (repeatable; kept in each cell as `set`; its"
+                        " cells replace the same (size, mode) cells of --out: give another --out for an A/B)")
     a = p.parse_args()
     out = a.out or os.path.join(REPO, "bench", "results", "cpu" if a.tiny else "h200", "matrix.json")
     if a.report:
@@ -263,6 +270,14 @@ def main() -> None:
     bad = [s for s in sizes if s not in sizes_known] + [m for m in modes if m not in MODES]
     if bad:
         p.error(f"unknown size or mode {bad}: sizes {list(sizes_known)}, modes {list(MODES)}")
+    if a.set:  # a bad key or value fails here, in one line, not as a traceback after the first cell
+        from pipeline.config import load_config
+        from pipeline.errors import ConfigError
+
+        try:
+            load_config(os.path.join(REPO, TINY_CONFIG if a.tiny else GPU_CONFIG), a.set)
+        except ConfigError as e:
+            p.error(f"--set: {e}")
     device = "cpu" if a.tiny else "cuda"
     work = a.work or tempfile.mkdtemp(prefix="lockstep-matrix-")
     meta = {"device": _device_name(device), "steps_per_cell": a.steps,

@@ -36,6 +36,11 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def bits(t):
+    """The raw bits of a float tensor (torch.equal calls -0.0 and +0.0 equal)."""
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
+
+
 def randn(*shape, dtype=torch.float32, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randn(*shape, generator=g).to(dtype).to(DEV)
@@ -283,13 +288,28 @@ def check_bi_decode(small):
             q_dec = q_full[torch.arange(b, device=DEV), :, last].contiguous()
             dec = bi_decode_attention(q_dec, k, v, lens_B)
             want = prefill[torch.arange(b, device=DEV), :, last]
+            # the trainer's own path: packed sequences through PackedCausal's padded grid (other strides)
+            from pipeline.models.attention import PackedCausal
+
+            ctx = PackedCausal.from_lengths(lens, device=DEV, varlen=False)
+            pack = lambda x_BXTD: torch.cat([x_BXTD[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)])  # noqa: E731
+            k_pack, v_pack = pack(k[:b]), pack(v[:b])
+            import lockstep_kernels as kernels
+
+            with kernels.batch_invariant_mode():
+                o_pack = ctx.attend(0, pack(q_full), k_pack, v_pack)  # [tokens, H, D]
+            ends = torch.tensor(lens, device=DEV).cumsum(0) - 1
+            trained = o_pack[ends]
+            assert torch.equal(bits(trained), bits(want)), (dtype, b, h, g, d, t, "packed vs grid prefill")
             if INTERPRETED:  # numpy's matmul gives a row different bits at different row positions of a tile
                 assert rel(dec, want) < TOL[dtype], (dtype, b, h, g, d, t, rel(dec, want))
             else:
-                assert torch.equal(dec, want), (dtype, b, h, g, d, t, float((dec.double() - want.double()).abs().max()))
+                assert torch.equal(bits(dec), bits(want)), (dtype, b, h, g, d, t,
+                                                            float((dec.double() - want.double()).abs().max()))
+                assert torch.equal(bits(dec), bits(trained)), (dtype, b, h, g, d, t, "vs the trainer's packed path")
             # and a single sequence decoded alone gets the same bits as in the batch
             one = bi_decode_attention(q_dec[1:2].contiguous(), k[1:2], v[1:2], lens_B[1:2])
-            assert torch.equal(one, dec[1:2]), (dtype, b, h, g, d, t, "alone")
+            assert torch.equal(bits(one), bits(dec[1:2])), (dtype, b, h, g, d, t, "alone")
             out[f"{dtype}-b{b}h{h}g{g}d{d}t{t}"] = 0.0
     return out
 

@@ -35,9 +35,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
                          sq_b, sq_h, sk_s, sk_g, sk_t, sv_s, sv_g, sv_t, so_b, so_h, so_p, sl_b, sl_h,
                          P, scale,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
     """For split p of sequence b and kv head g: o = softmax(q k^T * scale) v over keys [lo, hi) of the
-    split (each split a BLOCK_N-aligned share of keys 0..lens[b]-1), and lse = log sum exp of its scores."""
+    split (each split a BLOCK_N-aligned share of keys 0..lens[b]-1), and lse = log sum exp of its scores.
+    DIRECT (one split): o is the answer, stored in the output's dtype at o_ptr [B, H, D]; no lse."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     p = tl.program_id(2)
@@ -67,9 +68,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
     empty = hi <= lo  # a split past the sequence's end: weight 0 in the combine
     out = tl.where(empty, 0.0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)))
-    tl.store(o_ptr + offset64(b, so_b) + offset64(p, so_p) + heads[:, None] * so_h + offs_d[None, :], out,
-             mask=hmask[:, None])
-    tl.store(lse_ptr + offset64(b, sl_b) + p + heads * sl_h, lse, mask=hmask)
+    if DIRECT:  # as attention.py's kernel stores its rows: one rounding of acc / l_i to the output dtype
+        tl.store(o_ptr + offset64(b, so_b) + heads[:, None] * so_h + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        tl.store(o_ptr + offset64(b, so_b) + offset64(p, so_p) + heads[:, None] * so_h + offs_d[None, :], out,
+                 mask=hmask[:, None])
+        tl.store(lse_ptr + offset64(b, sl_b) + p + heads * sl_h, lse, mask=hmask)
 
 
 @triton.jit
@@ -113,18 +118,24 @@ def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torc
         sms = torch.cuda.get_device_properties(q_BHD.device).multi_processor_count if q_BHD.is_cuda else 8
         splits = num_splits(b, g, t, block_n, sms)
     lens = lens_B.to(torch.int32)
-    o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q_BHD.device)
-    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q_BHD.device)
+    out = torch.empty_like(q_BHD)
+    direct = splits == 1
+    if direct:  # the split kernel writes the answer itself
+        o_part, lse = out.unsqueeze(2), out.new_empty(0, 0)
+    else:
+        o_part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q_BHD.device)
+        lse = torch.empty(b, h, splits, dtype=torch.float32, device=q_BHD.device)
     _decode_split_kernel[checked("decode_attention", (b, g, splits))](
         q_BHD, k_SGTD, v_SGTD, lens, o_part, lse,
         q_BHD.stride(0), q_BHD.stride(1), k_SGTD.stride(0), k_SGTD.stride(1), k_SGTD.stride(2),
         v_SGTD.stride(0), v_SGTD.stride(1), v_SGTD.stride(2), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), splits, d ** -0.5, GROUP=group, GROUP_PAD=rows, D=d, BLOCK_N=block_n,
-        UPCAST=INTERPRET, IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2,
+        UPCAST=INTERPRET, IEEE=q_BHD.dtype == torch.float32, DIRECT=direct, num_warps=4, num_stages=2,
     )
-    out = torch.empty_like(q_BHD)
-    _decode_combine_kernel[(b * h,)](o_part, lse, out, o_part.stride(1), o_part.stride(2), out.stride(0), out.stride(1),
-                                     h, splits, P_PAD=max(2, triton.next_power_of_2(splits)), D=d, num_warps=1)
+    if not direct:
+        _decode_combine_kernel[(b * h,)](o_part, lse, out, o_part.stride(1), o_part.stride(2), out.stride(0),
+                                         out.stride(1), h, splits, P_PAD=max(2, triton.next_power_of_2(splits)), D=d,
+                                         num_warps=1)
     return out
 
 

@@ -103,9 +103,11 @@ def num_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) 
 
 
 def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch.Tensor, lens_B: torch.Tensor,
-                         splits: int | None = None, rows: int | None = None) -> torch.Tensor:
+                         splits: int | None = None, rows: int | None = None, direct: bool = False) -> torch.Tensor:
     """o[b, h] = attention of query q[b, h] over keys 0..lens[b]-1 of cache slot b (kv head h // (H/G)).
-    rows: query rows per program (the group's heads, zero-padded; default the next power of 2, >= 16)."""
+    rows: query rows per program (the group's heads, zero-padded; default the next power of 2, >= 16).
+    direct (one split only): the split kernel stores the answer itself, no combine (batch-invariant form;
+    the default mode keeps the combine until this form has run on a GPU)."""
     b, h, d = q_BHD.shape
     g, t = k_SGTD.shape[1], k_SGTD.shape[2]
     assert d in (16, 32, 64, 128, 256) and h % g == 0 and k_SGTD.shape[0] >= b, (q_BHD.shape, k_SGTD.shape)
@@ -119,7 +121,7 @@ def decode_attention_fwd(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torc
         splits = num_splits(b, g, t, block_n, sms)
     lens = lens_B.to(torch.int32)
     out = torch.empty_like(q_BHD)
-    direct = splits == 1
+    assert not direct or splits == 1, "direct needs one split"
     if direct:  # the split kernel writes the answer itself
         o_part, lse = out.unsqueeze(2), out.new_empty(0, 0)
     else:
@@ -144,4 +146,4 @@ def bi_decode_attention(q_BHD: torch.Tensor, k_SGTD: torch.Tensor, v_SGTD: torch
     """Batch-invariant decode (module docstring): bitwise attention.py's `bi_attention` of the query at
     position lens[b] - 1, for head dims q = k = v in attention.KERNEL_DIMS and groups of at most 64 heads."""
     assert q_BHD.shape[1] // k_SGTD.shape[1] <= QUERY_ROWS
-    return decode_attention_fwd(q_BHD, k_SGTD, v_SGTD, lens_B, splits=1, rows=QUERY_ROWS)
+    return decode_attention_fwd(q_BHD, k_SGTD, v_SGTD, lens_B, splits=1, rows=QUERY_ROWS, direct=True)

@@ -75,7 +75,8 @@ def run_phase(name: str, config: str, overrides: list[str], timeout_s: float) ->
     if out["rc"] != 0:
         lines = err.strip().splitlines() or ["(no output)"]
         out["error"] = next((line for line in reversed(lines) if line.startswith("lockstep: error:")), lines[-1])
-        print(f"{name} failed: {out['error']}", file=sys.stderr, flush=True)
+        out["stderr_tail"] = lines[-25:]  # the failed component's last log lines follow the error line
+        print(f"{name} failed:\n" + "\n".join(out["stderr_tail"]), file=sys.stderr, flush=True)
     return out
 
 

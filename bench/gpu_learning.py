@@ -243,6 +243,9 @@ def main() -> int:
     p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default 200; 4 with --tiny)")
     p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="override of the SFT config")
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE", help="override of the GRPO config")
+    p.add_argument("--data", action="append", default=[], metavar="KEY=INT",
+                   help="a size of the generated data (n_sft, n_train, n_test_per_digits, sft_max_digits, max_digits),"
+                        " e.g. sft_max_digits=5: the warm start shows every length the held-out set has")
     p.add_argument("--out", default=None, help="results folder (default $OUT, else bench/results/h200 or cpu)")
     p.add_argument("--work", default=None, help="data and run directories (default: a fresh temporary folder)")
     p.add_argument("--time-limit", type=float, default=570.0,
@@ -250,6 +253,14 @@ def main() -> int:
                         " 10-minute device call)")
     a = p.parse_args()
     size = "tiny" if a.tiny else "gpu"
+    sizes = dict(DATA[size])
+    for item in a.data:
+        key, _, value = item.partition("=")
+        if key not in sizes or not value.strip().isdigit():
+            p.error(f"--data {item}: give KEY=INT with KEY one of {', '.join(sizes)}")
+        sizes[key] = int(value)
+    if not 1 <= sizes["sft_max_digits"] <= sizes["max_digits"]:
+        p.error(f"--data: sft_max_digits ({sizes['sft_max_digits']}) must be in 1..max_digits ({sizes['max_digits']})")
     sft_steps, rl_steps = a.sft_steps or STEPS[size][0], a.rl_steps or STEPS[size][1]
     out_dir = a.out or os.environ.get("OUT") or os.path.join(REPO, "bench", "results", "cpu" if a.tiny else "h200")
     work = a.work or tempfile.mkdtemp(prefix="lockstep-learning-")
@@ -262,7 +273,7 @@ def main() -> int:
     from pipeline.rollout.tasks import make_multidigit
 
     data = os.path.join(work, "data")
-    results["data"] = {"dir": data, "sizes": DATA[size], "rows": make_multidigit(data, seed=0, **DATA[size])}
+    results["data"] = {"dir": data, "sizes": sizes, "rows": make_multidigit(data, seed=0, **sizes)}
     results["phases"].append({"phase": "data", "rc": 0, "wall_s": round(time.time() - t0, 2)})
 
     sft_dir, rl_dir = os.path.join(work, "sft"), os.path.join(work, "grpo")

@@ -59,6 +59,38 @@ def shapes(preset_names: list[str]) -> list[tuple[str, int, int]]:
     return [(label, n, k) for (n, k), label in out.items()]
 
 
+def cfg_key(bm: int, bn: int, bk: int, warps: int, stages: int) -> str:
+    return f"{bm}x{bn}x{bk}/w{warps}/s{stages}"
+
+
+def propose_tilings(probe: dict) -> list[tuple[int, int, int, int, int]]:
+    """matmul.TILINGS rows for this GPU from a probe's results: per measured M (ascending), among the
+    candidates with the pinned BLOCK_K that gave the pinned bits at every shape and M of the probe and
+    ran at every shape of that M, the one with the best geometric-mean speed-up over cuBLAS; an M takes
+    the choice of the smallest measured M at or above it (TILINGS: first row whose largest M it is not
+    past), and past the largest one the pinned tiling, so trailing rows equal to it are left out."""
+    import math
+
+    pinned = probe["pinned"]
+    differ = {cfg_key(*d["cfg"]) for d in probe["differing"]}  # bit differences or failed launches
+    out = []
+    for m in sorted({r["m"] for r in probe["rows"]}):
+        rows = [r for r in probe["rows"] if r["m"] == m]
+        scores = {}
+        for key in set.intersection(*(set(r["times_ms"]) for r in rows)) - differ:
+            bm, bn, bk, warps, stages = (int(v) for v in key.replace("x", " ").replace("/w", " ").replace("/s", " ").split())
+            if bk != pinned["BLOCK_K"]:
+                continue
+            scores[(bm, bn, warps, stages)] = sum(math.log(r["cublas_ms"] / r["times_ms"][key]) for r in rows)
+        if not scores:
+            continue
+        out.append((m, *max(scores, key=scores.get)))
+    default = (pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["num_warps"], pinned["num_stages"])
+    while out and out[-1][1:] == default:  # trailing pinned rows say what M past them gets anyway
+        out.pop()
+    return out
+
+
 def save(out_dir: str, pinned: dict, rows: list, differing: list) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bi_tile_probe.json"), "w") as f:
@@ -82,7 +114,14 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
     p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b,qwen3-moe-small")
     p.add_argument("--m", default=",".join(map(str, M_SIZES)))
+    p.add_argument("--propose", metavar="PROBE_JSON", help="print the TILINGS rows a probe's results give, and exit")
     a = p.parse_args()
+    if a.propose:
+        with open(a.propose) as f:
+            probe = json.load(f)
+        print(f"# {probe['gpu']}: (largest M, BLOCK_M, BLOCK_N, num_warps, num_stages) for matmul.TILINGS")
+        print(propose_tilings(probe))
+        return 0
     dt = torch.bfloat16
     pinned = CONFIGS[dt]
     timeit = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10, return_mode="median")  # noqa: E731
@@ -98,7 +137,7 @@ def main() -> int:
             t_cublas = timeit(lambda: F.linear(x, w))
             buf = torch.empty_like(ref)
             t_pinned = timeit(lambda: launch(x, w.t(), buf, pinned))
-            best = None
+            best, times = None, {}
             for bm, bn, bk, warps, stages in CANDIDATES:
                 cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 try:
@@ -114,12 +153,13 @@ def main() -> int:
                                       "frac_bits_differ": bad})
                     continue
                 t = timeit(lambda: launch(x, w.t(), out, cfg))
+                times[cfg_key(bm, bn, bk, warps, stages)] = t
                 if best is None or t < best[0]:
                     best = (t, [bm, bn, bk, warps, stages])
             row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
                    "pinned_ratio": t_cublas / t_pinned,
                    "best_cfg": best and best[1], "best_ms": best and best[0],
-                   "best_ratio": best and t_cublas / best[0]}
+                   "best_ratio": best and t_cublas / best[0], "times_ms": times}
             rows.append(row)
             print(f"{label:<22} m={m:<6} n={n:<6} k={k:<5} cublas {t_cublas:8.4f} ms  pinned {row['pinned_ratio']:.2f}x"
                   f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}", flush=True)

@@ -1,0 +1,47 @@
+"""bench/bi_tile_probe.py's proposal of matmul.TILINGS rows from a probe's results (pure; no GPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytest.importorskip("triton")
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+from bi_tile_probe import cfg_key, propose_tilings  # noqa: E402
+
+PINNED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def row(m, cublas, **times):
+    return {"m": m, "cublas_ms": cublas, "times_ms": {cfg_key(*map(int, k[1:].split("_"))): t for k, t in times.items()}}
+
+
+def test_each_m_takes_the_fastest_tiling_that_kept_the_bits_at_every_shape():
+    probe = {"gpu": "H200", "pinned": PINNED, "differing": [
+        {"cfg": [16, 64, 64, 4, 3], "frac_bits_differ": 0.4},  # fastest at M=1, but other bits: never chosen
+    ], "rows": [
+        # M = 1, two shapes: 32x64 wins on both
+        row(1, 1.0, c128_128_64_8_3=10.0, c32_64_64_4_3=2.0, c64_64_64_4_3=3.0, c16_64_64_4_3=1.0),
+        row(1, 1.0, c128_128_64_8_3=10.0, c32_64_64_4_3=2.5, c64_64_64_4_3=3.0, c16_64_64_4_3=1.0),
+        # M = 2048: the pinned tiling wins: its row stays, so M 2..2048 do not fall through to M=16384's
+        row(2048, 1.0, c128_128_64_8_3=1.2, c32_64_64_4_3=5.0, c64_64_64_4_3=2.0),
+        # M = 16384: a BLOCK_K 128 candidate is fastest but reorders the reduction: not eligible
+        row(16384, 1.0, c128_128_64_8_3=1.3, c128_256_64_8_3=1.1, c128_128_128_8_3=0.5),
+    ]}
+    assert propose_tilings(probe) == [(1, 32, 64, 4, 3), (2048, 128, 128, 8, 3), (16384, 128, 256, 8, 3)]
+    # and a last measured M whose best is the pinned tiling adds nothing: past the table is the pinned one
+    probe["rows"] = probe["rows"][:3]
+    assert propose_tilings(probe) == [(1, 32, 64, 4, 3)]
+
+
+def test_a_tiling_missing_at_one_shape_of_an_m_is_not_proposed_for_it():
+    probe = {"gpu": "H200", "pinned": PINNED, "differing": [], "rows": [
+        row(64, 1.0, c128_128_64_8_3=4.0, c64_128_64_4_3=1.0),
+        row(64, 1.0, c128_128_64_8_3=4.0),  # the 64x128 tiling did not run at this shape
+    ]}
+    assert propose_tilings(probe) == []

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_learning import run_phase  # noqa: E402
+from gpu_learning import copy_run, run_phase  # noqa: E402
 
 from pipeline.observability.metrics import read_metrics  # noqa: E402
 from pipeline.run import RunDir  # noqa: E402
@@ -147,6 +148,12 @@ def main() -> int:
                    *(TINY_RL if a.tiny else GPU_RL), *a.rl]
         results["phases"].append(run_phase("rl", RL_CONFIG, rl_over, remaining()))
     results["rl"] = rl_results(rl_dir)
+    for name, run_dir in (("sft", sft_dir), ("rl", rl_dir)):  # metrics, config, evals, logs: no weights
+        if os.path.isdir(run_dir):
+            copy_run(run_dir, os.path.join(a.out, "runs", name))
+            logs = RunDir(run_dir).log_files()
+            for path in logs:
+                shutil.copy(path, os.path.join(a.out, "runs", name))
     results["verdict"] = verdict(results["rl"], rl_steps)
     with open(os.path.join(a.out, "moe_learning.json"), "w") as f:
         json.dump(results, f, indent=1)

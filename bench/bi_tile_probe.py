@@ -63,6 +63,13 @@ def cfg_key(bm: int, bn: int, bk: int, warps: int, stages: int) -> str:
     return f"{bm}x{bn}x{bk}/w{warps}/s{stages}"
 
 
+def cfg_of(key: str) -> tuple[int, int, int, int, int]:
+    """cfg_key's inverse: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    tile, warps, stages = key.split("/")
+    bm, bn, bk = tile.split("x")
+    return int(bm), int(bn), int(bk), int(warps[1:]), int(stages[1:])
+
+
 def propose_tilings(probe: dict) -> list[tuple[int, int, int, int, int]]:
     """matmul.TILINGS rows for this GPU from a probe's results: per measured M (ascending), among the
     candidates with the pinned BLOCK_K that gave the pinned bits at every shape and M of the probe and
@@ -78,7 +85,7 @@ def propose_tilings(probe: dict) -> list[tuple[int, int, int, int, int]]:
         rows = [r for r in probe["rows"] if r["m"] == m]
         scores = {}
         for key in set.intersection(*(set(r["times_ms"]) for r in rows)) - differ:
-            bm, bn, bk, warps, stages = (int(v) for v in key.replace("x", " ").replace("/w", " ").replace("/s", " ").split())
+            bm, bn, bk, warps, stages = cfg_of(key)
             if bk != pinned["BLOCK_K"]:
                 continue
             scores[(bm, bn, warps, stages)] = sum(math.log(r["cublas_ms"] / r["times_ms"][key]) for r in rows)
@@ -137,7 +144,7 @@ def main() -> int:
             t_cublas = timeit(lambda: F.linear(x, w))
             buf = torch.empty_like(ref)
             t_pinned = timeit(lambda: launch(x, w.t(), buf, pinned))
-            best, times = None, {}
+            times = {}  # cfg_key -> ms, for the candidates that kept the pinned bits
             for bm, bn, bk, warps, stages in CANDIDATES:
                 cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 try:
@@ -152,14 +159,12 @@ def main() -> int:
                     differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
                                       "frac_bits_differ": bad})
                     continue
-                t = timeit(lambda: launch(x, w.t(), out, cfg))
-                times[cfg_key(bm, bn, bk, warps, stages)] = t
-                if best is None or t < best[0]:
-                    best = (t, [bm, bn, bk, warps, stages])
+                times[cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: launch(x, w.t(), out, cfg))
+            best = min(times, key=times.get) if times else None
             row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
                    "pinned_ratio": t_cublas / t_pinned,
-                   "best_cfg": best and best[1], "best_ms": best and best[0],
-                   "best_ratio": best and t_cublas / best[0], "times_ms": times}
+                   "best_cfg": best and list(cfg_of(best)), "best_ms": best and times[best],
+                   "best_ratio": best and t_cublas / times[best], "times_ms": times}
             rows.append(row)
             print(f"{label:<22} m={m:<6} n={n:<6} k={k:<5} cublas {t_cublas:8.4f} ms  pinned {row['pinned_ratio']:.2f}x"
                   f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}", flush=True)
@@ -167,7 +172,6 @@ def main() -> int:
         del w
         torch.cuda.empty_cache()
         save(a.out, pinned, rows, differing)  # after every shape: a cut-off call keeps what ran
-    save(a.out, pinned, rows, differing)
     n_bits = sum(1 for d in differing if "frac_bits_differ" in d)
     print(f"{len(rows)} shapes; candidates differing in bits: {n_bits}; failed to launch: {len(differing) - n_bits}")
     return 0

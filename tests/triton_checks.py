@@ -270,8 +270,13 @@ def check_bi_decode(small):
     with more slots and positions than the sequences use. On a GPU only: the interpreter's tl.dot is
     numpy's, whose bits for a row depend on its row in the tile (OpenBLAS's 6-row micro-kernel), and the
     decode tile holds a query at the row of its head, the prefill tile at the row of its position."""
+    import lockstep_kernels as kernels
     from lockstep_kernels.gpu.attention import bi_attention
     from lockstep_kernels.gpu.decode_attention import bi_decode_attention
+    from pipeline.models.attention import PackedCausal
+
+    def pack(x_BXTD, lens):  # [B, X, T, D] -> the sequences' first lens[b] positions back to back, [N, X, D]
+        return torch.cat([x_BXTD[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)])
 
     out = {}
     cases = [(3, 4, 2, 16, 150, [1, 70, 150]), (2, 7, 1, 32, 80, [65, 3])] if small else [
@@ -289,15 +294,9 @@ def check_bi_decode(small):
             dec = bi_decode_attention(q_dec, k, v, lens_B)
             want = prefill[torch.arange(b, device=DEV), :, last]
             # the trainer's own path: packed sequences through PackedCausal's padded grid (other strides)
-            from pipeline.models.attention import PackedCausal
-
             ctx = PackedCausal.from_lengths(lens, device=DEV, varlen=False)
-            pack = lambda x_BXTD: torch.cat([x_BXTD[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)])  # noqa: E731
-            k_pack, v_pack = pack(k[:b]), pack(v[:b])
-            import lockstep_kernels as kernels
-
             with kernels.batch_invariant_mode():
-                o_pack = ctx.attend(0, pack(q_full), k_pack, v_pack)  # [tokens, H, D]
+                o_pack = ctx.attend(0, pack(q_full, lens), pack(k[:b], lens), pack(v[:b], lens))  # [tokens, H, D]
             ends = torch.tensor(lens, device=DEV).cumsum(0) - 1
             trained = o_pack[ends]
             assert torch.equal(bits(trained), bits(want)), (dtype, b, h, g, d, t, "packed vs grid prefill")

@@ -114,7 +114,7 @@ def check_grouped_matmul(small):
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         for counts in ([3, 0, 70, 1, 0, 131], [0, 0, 0, 0, 0, 2], [1, 1, 1, 1, 1, 1]):
-            counts = (counts * (e // len(counts)))[:e]
+            counts = (counts * -(-e // len(counts)))[:e]
             a = sum(counts)
             x = randn(a, k, dtype=dtype, seed=1)
             w_flat = randn(e * 3 * n * k, dtype=dtype, seed=2)  # expert i's weight at i * 3nk, as flattened

@@ -33,8 +33,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # num_stages), first match wins, M past the last entry takes CONFIGS. An entry belongs here only when
 # bench/bi_tile_probe.py has shown on such a GPU that it gives CONFIGS' bits at every preset shape (the
 # reduction is the same; whether the MMA instruction a tile shape selects rounds alike is measured, not
-# assumed), and tests/triton_checks.py matmul_tilings checks it again. Empty: one tiling for every M.
-TILINGS: dict[tuple[int, int], dict[torch.dtype, list[tuple[int, int, int, int, int]]]] = {}
+# assumed), and tests/triton_checks.py matmul_tilings checks it again. A GPU not listed: one tiling for every M.
+TILINGS: dict[tuple[int, int], dict[torch.dtype, list[tuple[int, int, int, int, int]]]] = {
+    # Hopper (H100 / H200), from `bench/bi_tile_probe.py --propose` on an H100 (2026-12-05,
+    # bench/results/h100/bi_tile_probe.json): 120 shapes, no candidate differing in bits.
+    (9, 0): {torch.bfloat16: [(64, 16, 64, 4, 4), (256, 64, 64, 4, 4)]},
+}
 
 
 def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> dict:

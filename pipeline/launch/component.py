@@ -56,8 +56,8 @@ def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
         argv += ["--quantization", e.quantization]
     if e.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
-    if e.moe_grouped_experts:
-        argv.append("--moe-grouped-experts")
+    if not e.moe_grouped_experts:
+        argv.append("--no-moe-grouped-experts")
     if e.cuda_graph_max_bs:
         argv += ["--cuda-graph-max-bs", str(e.cuda_graph_max_bs)]
     return argv

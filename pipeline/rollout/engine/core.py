@@ -162,7 +162,6 @@ class Engine:
         # MoE blocks: expert weights as [E, N, K] views of the flat buffer, for the grouped expert kernels
         # (pipeline/models/layers.py run_experts; FP8 experts keep the per-expert loop). Updates copy into
         # the parameters, which are those views' memory.
-        # Off by default (engine.moe_grouped_experts) until the grouped kernels have run on a GPU.
         self.stacked_moe_blocks = stack_experts(self.model) if grouped_experts else 0
         self.params = dict(self.model.named_parameters())  # fixed from here on: updates copy into them
         self.router_jitter = faults.seconds("engine_router_jitter")  # a fault for the R3 tests; 0 otherwise

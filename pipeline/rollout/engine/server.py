@@ -341,8 +341,9 @@ def parse_args(argv=None):
     p.add_argument("--disable-cuda-graph", action="store_true", help="every decode step eager (SGLang's flag)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run from a CUDA graph (default: --max-running-requests; GPU only)")
-    p.add_argument("--moe-grouped-experts", action="store_true",
-                   help="MoE: all experts of a projection in one grouped kernel, MoE decode from CUDA graphs (GPU only)")
+    p.add_argument("--moe-grouped-experts", action=argparse.BooleanOptionalAction, default=True,
+                   help="MoE: all experts of a projection in one grouped kernel, MoE decode from CUDA graphs (GPU only;"
+                        " --no-moe-grouped-experts: the per-expert loop, MoE decode eager)")
     p.add_argument("--allow-all-interfaces", action="store_true", help="permit --host 0.0.0.0")
     p.add_argument("--startup-file", default=None, help="where to publish the start-up phases' seconds (JSON)")
     return p.parse_args(argv)

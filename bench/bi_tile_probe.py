@@ -35,8 +35,10 @@ from lockstep_kernels.gpu.matmul import CONFIGS, _bi_matmul_kernel  # noqa: E402
 M_SIZES = (1, 16, 64, 256, 2048, 16384)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K 64 is the pinned one; the few with 32 or
 # 128 ask whether a tl.dot over a longer chunk is the same chain of k16 MMAs into the accumulator.
-TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4),
-         (128, 128, 8), (128, 256, 8)]
+# Narrow tiles (BLOCK_N 32) put more programs on the SMs at decode sizes, where N / 64 programs leave most
+# of them idle (the 2026-12-05 H100 probe's best tilings at M <= 64 were its narrowest, 16 x 64).
+TILES = [(16, 32, 4), (16, 32, 2), (32, 32, 4), (64, 32, 4), (16, 64, 4), (16, 64, 2), (16, 128, 4), (32, 64, 4),
+         (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (128, 256, 8)]
 CANDIDATES = [(bm, bn, 64, w, s) for bm, bn, w in TILES for s in (3, 4) if not (bm * bn >= 128 * 256 and s == 4)] + [
     (128, 128, 128, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (16, 64, 128, 4, 3)]
 

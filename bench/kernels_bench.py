@@ -110,7 +110,21 @@ def bar(m: int) -> float:
     return 0.8 if m < DECODE_M else 0.9
 
 
-def main_presets(presets: list[str], m_sizes: list[int]) -> None:
+def with_k_chunk(chunk: int, fn):
+    """fn run with matmul.K_CHUNK[bf16] = chunk (the fixed split-K), restored after."""
+    from lockstep_kernels.gpu import matmul
+
+    def run():
+        saved = matmul.K_CHUNK[torch.bfloat16]
+        matmul.K_CHUNK[torch.bfloat16] = chunk
+        try:
+            return fn()
+        finally:
+            matmul.K_CHUNK[torch.bfloat16] = saved
+    return run
+
+
+def main_presets(presets: list[str], m_sizes: list[int], k_chunks: list[int] = ()) -> None:
     import torch.nn.functional as F
 
     from pipeline.models.attention import PackedCausal
@@ -139,7 +153,11 @@ def main_presets(presets: list[str], m_sizes: list[int]) -> None:
             w = torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
             for m in m_sizes:
                 x = torch.randn(m, k, device=dev, dtype=dt)
-                add(key, "gemm", f"{name} {n}x{k}", m, lambda: F.linear(x, w), lambda: bi_linear(x, w), 2 * m * n * k)
+                t_default = bench(lambda: F.linear(x, w))
+                add(key, "gemm", f"{name} {n}x{k}", m, t_default, lambda: bi_linear(x, w), 2 * m * n * k)
+                for chunk in k_chunks:  # the fixed split-K beside the unsplit kernel, same default time
+                    add(key, "gemm", f"{name} {n}x{k} (split-K {chunk})", m, t_default,
+                        with_k_chunk(chunk, lambda: bi_linear(x, w)), 2 * m * n * k)
                 del x
             del w
             torch.cuda.empty_cache()
@@ -183,8 +201,11 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", help="comma-separated: " + ",".join(PRESETS))
     p.add_argument("--m", default=",".join(map(str, M_SIZES)), help="GEMM token counts")
+    p.add_argument("--k-chunk", default="", help="comma-separated matmul.K_CHUNK values: each GEMM also with that"
+                   " fixed split-K, side by side (e.g. 512,1024)")
     args = p.parse_args()
     if args.presets:
-        main_presets(args.presets.split(","), [int(m) for m in args.m.split(",")])
+        main_presets(args.presets.split(","), [int(m) for m in args.m.split(",")],
+                     [int(c) for c in args.k_chunk.split(",") if c])
     else:
         main_05b()

@@ -100,6 +100,61 @@ def check_matmul_tilings(small):
     return out
 
 
+def check_matmul_split(small):
+    """The fixed split-K (matmul.K_CHUNK): with the chunks in one program (large M) and with one program
+    per chunk plus the ordered sum (small M), every row gets the same bits, bias included; rows stay
+    batch-invariant across M on either path; the grouped expert kernel splits alike (its rows equal
+    bi_matmul's); the result stays a matmul (relative error against fp64); and a K within one chunk
+    gives the bits of the unsplit reduction."""
+    from lockstep_kernels.gpu import matmul
+    from lockstep_kernels.gpu.grouped_matmul import bi_grouped_linear
+
+    chunk = 64 if small else 512
+    shapes = [(40, 200, 24), (33, 130, 72)] if small else [(64, 2048, 2048), (256, 4096, 1024), (130, 9728, 2560)]
+    saved = dict(matmul.K_CHUNK), matmul.SPLIT_BELOW_SM_FRACTION
+    out = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            matmul.K_CHUNK[dtype] = chunk
+            for m, k, n in shapes:
+                x, w, b = randn(m, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2), randn(n, dtype=dtype, seed=3)
+                matmul.SPLIT_BELOW_SM_FRACTION = 0.0  # every chunk in one program
+                one = matmul.bi_linear(x, w, b)
+                matmul.SPLIT_BELOW_SM_FRACTION = 1e9  # one program per chunk, then the ordered sum
+                split = matmul.bi_linear(x, w, b)
+                assert torch.equal(bits(one), bits(split)), ("split paths differ", dtype, m, k, n)
+                for sub in (1, 3, 17):
+                    assert torch.equal(bits(matmul.bi_linear(x[:sub], w, b)), bits(one[:sub])), ("rows", dtype, sub)
+                matmul.SPLIT_BELOW_SM_FRACTION = 0.0
+                for sub in (1, 3, 17):
+                    assert torch.equal(bits(matmul.bi_linear(x[:sub], w, b)), bits(one[:sub])), ("rows", dtype, sub)
+                err = rel(one, F.linear(x.double(), w.double(), b.double()))
+                assert err < TOL[dtype], (dtype, m, k, n, err)
+                out[f"{dtype}-{m}x{k}x{n}"] = err
+                # the grouped expert kernel: two experts' rows, each bitwise bi_matmul's
+                w2 = torch.stack([w, w.flip(0)])
+                offsets = torch.tensor([0, m // 3, m], dtype=torch.int32, device=DEV)
+                y = bi_grouped_linear(x, w2, offsets)
+                for e, (lo, hi) in enumerate(((0, m // 3), (m // 3, m))):
+                    assert torch.equal(bits(y[lo:hi]), bits(matmul.bi_matmul(x[lo:hi].contiguous(), w2[e].t()))), \
+                        ("grouped rows differ from bi_matmul under K_CHUNK", dtype, e)
+        # The defined order, in fp32: the split product is 0 + part_0 + part_1 + part_2, each part the unsplit
+        # reduction of its chunk (fp32 outputs round nothing).
+        x, w = randn(9, 3 * chunk - 5, seed=4), randn(24, 3 * chunk - 5, seed=5)
+        split = matmul.bi_linear(x, w)
+        matmul.K_CHUNK[torch.float32] = None
+        total = torch.zeros(9, 24, device=DEV)
+        for lo in range(0, x.shape[1], chunk):
+            total = total + matmul.bi_linear(x[:, lo: lo + chunk].contiguous(), w[:, lo: lo + chunk].contiguous())
+        assert torch.equal(bits(split), bits(total)), "the split is not the ordered sum of the chunks' products"
+        assert not torch.equal(bits(split), bits(matmul.bi_linear(x, w))) or small, "the split changed nothing"
+    finally:
+        matmul.K_CHUNK.clear()
+        matmul.K_CHUNK.update(saved[0])
+        matmul.SPLIT_BELOW_SM_FRACTION = saved[1]
+    return out
+
+
 def check_grouped_matmul(small):
     """The grouped expert GEMM: each expert's rows bitwise what bi_matmul computes for them alone (the
     true on-policy trainer's per-expert call), for uneven counts with experts of no rows, tiles past
@@ -684,7 +739,7 @@ def check_fp8_matmul_2g(small):
     return out
 
 
-CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
+CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "matmul_split": check_matmul_split, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention, "bi_decode": check_bi_decode,
           "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
           "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,

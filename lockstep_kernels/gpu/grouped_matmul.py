@@ -11,7 +11,7 @@ Bits: an expert's rows are computed exactly as `bi_matmul(x_rows_of_e, w[e].t())
 (a TILINGS row holds only tilings bench/bi_tile_probe.py showed to give CONFIGS' bits at the experts'
 shapes too), the same [BLOCK_M, BLOCK_N] tiles starting at the expert's first
 row, computed by matmul.py's own tile routine (`_tile_acc`: rows past the expert's last read as zero, K
-reduced from 0 upward in BLOCK_K steps into an fp32 accumulator), the same IEEE / UPCAST flags. The true on-policy trainer computes
+reduced from 0 upward in BLOCK_K steps into an fp32 accumulator, split at matmul.K_CHUNK as bi_matmul splits it), the same IEEE / UPCAST flags. The true on-policy trainer computes
 experts with that per-expert call, and the engine's logprobs must equal the trainer's bit for bit.
 
 No host sync: the expert offsets stay on the device. The grid is fixed by the number of rows A and
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, _tile_acc
+from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, _tile_acc, k_chunk
 from lockstep_kernels.gpu.offsets import offset64
 
 
@@ -37,7 +37,8 @@ from lockstep_kernels.gpu.offsets import offset64
 def _grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, offsets_ptr, N, K, E,
                            stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                            IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           K_CHUNK: tl.constexpr):
     """C[m, n] = sum_k A[m, k] B[e, n, k] for rows m of expert e (offsets[e] <= m < offsets[e+1]),
     k ascending in BLOCK_K chunks, fp32 accumulation; the tiles of expert e start at offsets[e]."""
     pid = tl.program_id(0)
@@ -60,7 +61,7 @@ def _grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, offsets_ptr, N, K, E,
     # matmul.py's tile (the same code), with the expert's weight and the expert's last row as M.
     start_n = pid_n * BLOCK_N
     acc = _tile_acc(a_ptr, b_ptr + offset64(e, stride_be), start_m, start_n, row_end, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+                    stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     offs_m = start_m + rows
@@ -95,6 +96,7 @@ def bi_grouped_linear(x_AK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch
     _grouped_matmul_kernel[grid](
         x_AK, w_ENK, c, offsets_E1, n, k, e,
         x_AK.stride(0), x_AK.stride(1), w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2), c.stride(0), c.stride(1),
-        IEEE=x_AK.dtype == torch.float32, UPCAST=INTERPRET, BLOCK_E=triton.next_power_of_2(e), **cfg,
+        IEEE=x_AK.dtype == torch.float32, UPCAST=INTERPRET, BLOCK_E=triton.next_power_of_2(e),
+        K_CHUNK=k_chunk(x_AK.dtype, k), **cfg,
     )
     return c

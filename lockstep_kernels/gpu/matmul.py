@@ -5,8 +5,15 @@ grid), `BiLinear` (autograd: forward through the kernel, backward through torch 
 need no invariance), `bi_linear` (functional wrapper used by kernels.ops.linear).
 
 Invariance: one program computes one [BLOCK_M, BLOCK_N] output tile, reducing K from 0 upward in
-BLOCK_K steps into an fp32 accumulator. Tiles are pinned per dtype (no autotuning) and there is no
-split-K, so row m of the output depends only on row m of x, never on M or on the other rows.
+BLOCK_K steps into an fp32 accumulator. Tiles are pinned per dtype (no autotuning), so row m of the
+output depends only on row m of x, never on M or on the other rows.
+
+Fixed split-K (K_CHUNK, off unless set): K is cut at fixed points, every K_CHUNK columns from 0; each
+chunk is reduced as above into a fresh fp32 partial, and the partials are added in ascending order into
+a zeroed total. The cut points depend on K alone, so the bits do too; where a chunk is computed is free:
+in one program, one chunk after the other (`_tile_acc`, large M), or one program per chunk with the
+partials added by `_sum_chunks_kernel` in the same order (small M, where N / BLOCK_N programs leave
+most SMs idle). Both give a row the same bits.
 """
 
 from __future__ import annotations
@@ -41,6 +48,17 @@ TILINGS: dict[tuple[int, int], dict[torch.dtype, list[tuple[int, int, int, int, 
 }
 
 
+# Columns of K per chunk of the fixed split-K, by input dtype (a multiple of BLOCK_K); None: one chunk (the
+# reduction as it was, the bits the trainer and engine have agreed on so far). It changes every batch-invariant
+# matmul's bits at K > K_CHUNK, in the trainer and the engine alike (one process-wide value: both import it).
+# None until tests/triton_checks.py matmul_split has passed on a GPU (the split path's bits against the
+# one-program path's, which the CPU interpreter checks too) and bench/kernels_bench.py shows it pays.
+K_CHUNK: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float16: None, torch.float32: None}
+# Split over programs when the output has fewer tiles than this fraction of the SMs (a pure function of
+# M, N, K and the GPU: it moves work between programs, never changes a bit).
+SPLIT_BELOW_SM_FRACTION = 0.5
+
+
 def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> dict:
     """The kernel configuration for an M-row product: CONFIGS[dtype] with the output tiling TILINGS
     gives this GPU for M. A pure function of (M, dtype, GPU): a row's bits never depend on it."""
@@ -63,24 +81,25 @@ def _device_capability(index: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-              IEEE: tl.constexpr, UPCAST: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 [BLOCK_M, BLOCK_N] tile of A @ B whose first row is start_m and first column start_n:
-    rows from M on read as zero, K reduced from 0 upward in BLOCK_K chunks by one tl.dot each. Every
-    batch-invariant matmul computes its tiles here (this kernel, grouped_matmul.py's), so a row's bits
-    are the same whichever of them computes it."""
+def _chunk_acc(a_ptr, b_ptr, start_m, start_n, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk, stride_bn,
+               IEEE: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] tile of A[:, k_lo:k_hi] @ B[k_lo:k_hi] whose first row is start_m and
+    first column start_n: rows from M on read as zero, K reduced from k_lo upward in BLOCK_K chunks by
+    one tl.dot each into a zeroed accumulator."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     offs_m = start_m + rows
     offs_n = start_n + cols
     offs_k = tl.arange(0, BLOCK_K)
-    # The tile's first row and column in int64 (offsets.py); offsets within the tile stay int32.
-    a_ptrs = a_ptr + offset64(start_m, stride_am) + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offset64(start_n, stride_bn) + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    # The tile's first row and column in int64 (offsets.py); offsets within the tile and a row (k) stay int32.
+    a_ptrs = (a_ptr + offset64(start_m, stride_am)
+              + rows[:, None] * stride_am + (k_lo + offs_k)[None, :] * stride_ak)
+    b_ptrs = (b_ptr + offset64(start_n, stride_bn)
+              + (k_lo + offs_k)[:, None] * stride_bk + cols[None, :] * stride_bn)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
+    for k in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k_left = k_hi - k_lo - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if UPCAST:  # the CPU interpreter's tl.dot is wrong on bf16 inputs
@@ -96,11 +115,34 @@ def _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, str
 
 
 @triton.jit
+def _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+              IEEE: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] tile of A @ B whose first row is start_m and first column start_n:
+    rows from M on read as zero, K reduced from 0 upward in BLOCK_K chunks by one tl.dot each (K_CHUNK 0),
+    or each K_CHUNK columns so into a fresh partial, the partials added in ascending order into a zeroed
+    total. Every batch-invariant matmul computes its tiles here (this kernel, grouped_matmul.py's) or as
+    `_bi_matmul_split_kernel` and `_sum_chunks_kernel` do, so a row's bits are the same whichever does."""
+    if K_CHUNK == 0:
+        acc = _chunk_acc(a_ptr, b_ptr, start_m, start_n, M, N, 0, K, stride_am, stride_ak, stride_bk, stride_bn,
+                         IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, tl.cdiv(K, K_CHUNK)):
+            k_lo = c * K_CHUNK
+            acc += _chunk_acc(a_ptr, b_ptr, start_m, start_n, M, N, k_lo, tl.minimum(k_lo + K_CHUNK, K),
+                              stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
 def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C[m, n] = sum_k A[m, k] B[k, n] (+ bias[n]), k ascending in BLOCK_K chunks, fp32 accumulation."""
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      K_CHUNK: tl.constexpr):
+    """C[m, n] = sum_k A[m, k] B[k, n] (+ bias[n]), k ascending in BLOCK_K chunks, fp32 accumulation
+    (split at every K_CHUNK columns when K_CHUNK > 0: `_tile_acc`)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -112,7 +154,14 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     start_m = pid_m * BLOCK_M
     start_n = pid_n * BLOCK_N
     acc = _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                    IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+                    IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK)
+    _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc (+ bias) rounded once to C's dtype, rows < M and columns < N."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     offs_m = start_m + rows
@@ -123,6 +172,68 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     c_ptrs = (c_ptr + offset64(start_m, stride_cm) + offset64(start_n, stride_cn)
               + rows[:, None] * stride_cm + cols[None, :] * stride_cn)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _bi_matmul_split_kernel(a_ptr, b_ptr, part_ptr, M, N, K,
+                            stride_am, stride_ak, stride_bk, stride_bn, stride_pc, stride_pm,
+                            IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr):
+    """part[c, m, n] = fp32 sum over chunk c's columns of K (c = program_id(1)), reduced as `_tile_acc`
+    reduces one chunk."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    start_m = (pid // num_n) * BLOCK_M
+    start_n = (pid % num_n) * BLOCK_N
+    k_lo = c * K_CHUNK
+    part = _chunk_acc(a_ptr, b_ptr, start_m, start_n, M, N, k_lo, tl.minimum(k_lo + K_CHUNK, K),
+                      stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    ptrs = part_ptr + offset64(c, stride_pc) + rows[:, None] * stride_pm + cols[None, :]
+    tl.store(ptrs, part, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit
+def _sum_chunks_kernel(part_ptr, c_ptr, bias_ptr, M, N, CHUNKS, stride_pc, stride_pm, stride_cm, stride_cn,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """C = sum over c ascending of part[c] into a zeroed fp32 total (+ bias), rounded once: `_tile_acc`'s
+    total, from partials other programs computed."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    start_m = (pid // num_n) * BLOCK_M
+    start_n = (pid % num_n) * BLOCK_N
+    rows = start_m + tl.arange(0, BLOCK_M)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ptrs = part_ptr + rows[:, None] * stride_pm + cols[None, :]
+    for _ in range(0, CHUNKS):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += stride_pc  # pointer arithmetic: 64-bit
+    _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+def k_chunk(dtype: torch.dtype, k: int) -> int:
+    """The split-K chunk for K columns of this dtype: 0 (one chunk) when K_CHUNK is None or K fits in one."""
+    chunk = K_CHUNK.get(dtype)
+    if chunk is None or k <= chunk:
+        return 0
+    assert chunk % CONFIGS[dtype]["BLOCK_K"] == 0, f"K_CHUNK {chunk} must be a multiple of BLOCK_K"
+    return chunk
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_over_programs(tiles: int, chunk: int, sms: int | None) -> bool:
+    """Whether the chunks go to programs of their own (`_bi_matmul_split_kernel`): a chunked reduction
+    whose output tiles fill less than SPLIT_BELOW_SM_FRACTION of the SMs (sms None: the interpreter, by
+    the same rule at 132 SMs). Never changes a bit."""
+    return chunk > 0 and tiles < SPLIT_BELOW_SM_FRACTION * (sms or 132)
 
 
 def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,12 +248,25 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | Non
     if m == 0 or n == 0:
         return c
     cfg = tiling(m, a_MK.dtype, _capability(a_MK))
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _bi_matmul_kernel[grid](
-        a_MK, b_KN, c, bias_N if bias_N is not None else c, m, n, k,
+    chunk = k_chunk(a_MK.dtype, k)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    ieee, bias = a_MK.dtype == torch.float32, bias_N if bias_N is not None else c
+    sms = _sm_count(a_MK.device.index or 0) if a_MK.is_cuda else None
+    if split_over_programs(tiles, chunk, sms):
+        chunks = triton.cdiv(k, chunk)
+        part = torch.empty((chunks, m, n), dtype=torch.float32, device=a_MK.device)
+        launch = {name: v for name, v in cfg.items() if name != "GROUP_M"}
+        _bi_matmul_split_kernel[(tiles, chunks)](
+            a_MK, b_KN, part, m, n, k, a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1),
+            part.stride(0), part.stride(1), IEEE=ieee, UPCAST=INTERPRET, K_CHUNK=chunk, **launch)
+        _sum_chunks_kernel[(tiles,)](
+            part, c, bias, m, n, chunks, part.stride(0), part.stride(1), c.stride(0), c.stride(1),
+            HAS_BIAS=bias_N is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=4)
+        return c
+    _bi_matmul_kernel[(tiles,)](
+        a_MK, b_KN, c, bias, m, n, k,
         a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias_N is not None, IEEE=a_MK.dtype == torch.float32, UPCAST=INTERPRET,
-        **cfg,
+        HAS_BIAS=bias_N is not None, IEEE=ieee, UPCAST=INTERPRET, K_CHUNK=chunk, **cfg,
     )
     return c
 

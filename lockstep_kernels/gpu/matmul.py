@@ -51,8 +51,9 @@ TILINGS: dict[tuple[int, int], dict[torch.dtype, list[tuple[int, int, int, int, 
 # Columns of K per chunk of the fixed split-K, by input dtype (a multiple of BLOCK_K); None: one chunk (the
 # reduction as it was, the bits the trainer and engine have agreed on so far). It changes every batch-invariant
 # matmul's bits at K > K_CHUNK, in the trainer and the engine alike (one process-wide value: both import it).
-# None until tests/triton_checks.py matmul_split has passed on a GPU (the split path's bits against the
-# one-program path's, which the CPU interpreter checks too) and bench/kernels_bench.py shows it pays.
+# None: on an H100 (2026-12-05) tests/triton_checks.py matmul_split passed (the bits hold) but
+# bench/kernels_bench.py --k-chunk showed it slower at M >= 256 (the in-program form holds a second fp32
+# accumulator) than it gains at M <= 64, and the 1.7b true on-policy step went 0.91x -> 0.82x (BENCHMARKS.md).
 K_CHUNK: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float16: None, torch.float32: None}
 # Split over programs when the output has fewer tiles than this fraction of the SMs (a pure function of
 # M, N, K and the GPU: it moves work between programs, never changes a bit).

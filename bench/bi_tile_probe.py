@@ -8,7 +8,8 @@ BLOCK_N), the warps and the pipeline stages decide which program computes an ele
 tile shape also picks the MMA instruction (Hopper's wgmma needs 64-row tiles; smaller ones get mma.sync),
 and whether those round alike is a fact of the GPU, not of the argument. If every tiling gives the same
 bits on this GPU, the launcher may choose the tiling per M (small tiles at decode sizes, where 128 x 128
-tiles leave most SMs idle) and stay batch-invariant: matmul.TILINGS takes only what this probe shows.
+tiles leave most SMs idle) and stay batch-invariant: lockstep_kernels/gpu/tilings.py takes only what this
+probe shows.
 
 For every GEMM shape of the 1.7B and 4B presets (q/k/v/o, fused qkv, gate/up, fused gate_up, down, LM
 head) at M from 1 to 16384, against the pinned configuration (matmul.CONFIGS): each candidate tiling's
@@ -72,31 +73,60 @@ def cfg_of(key: str) -> tuple[int, int, int, int, int]:
     return int(bm), int(bn), int(bk), int(warps[1:]), int(stages[1:])
 
 
-def propose_tilings(probe: dict) -> list[tuple[int, int, int, int, int]]:
-    """matmul.TILINGS rows for this GPU from a probe's results: per measured M (ascending), among the
-    candidates with the pinned BLOCK_K that gave the pinned bits at every shape and M of the probe and
+def eligible(probe: dict) -> set[str]:
+    """The candidates that gave the pinned bits at every shape and M of the probe (and launched there)."""
+    differ = {cfg_key(*d["cfg"]) for d in probe["differing"]}  # bit differences or failed launches
+    return set.union(set(), *(set(r["times_ms"]) for r in probe["rows"])) - differ
+
+
+def collapse(rows: list[tuple], pinned: dict) -> list[tuple]:
+    """Table rows (largest M, *tiling) ascending in M: a row whose tiling the next row repeats is covered
+    by it (first row whose largest M an M is not past wins), and trailing rows of the pinned tiling say
+    what M past the table gets anyway."""
+    out = []
+    for r in rows:
+        if out and out[-1][1:] == r[1:]:
+            out[-1] = r
+        else:
+            out.append(r)
+    default = (pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["BLOCK_K"], pinned["num_warps"], pinned["num_stages"])
+    while out and out[-1][1:] == default:
+        out.pop()
+    return out
+
+
+def propose_tilings(probe: dict) -> list[tuple[int, int, int, int, int, int]]:
+    """tilings.TILINGS rows for this GPU from a probe's results (every weight shape): per measured M
+    (ascending), among the candidates that gave the pinned bits at every shape and M of the probe and
     ran at every shape of that M, the one with the best geometric-mean speed-up over cuBLAS; an M takes
-    the choice of the smallest measured M at or above it (TILINGS: first row whose largest M it is not
-    past), and past the largest one the pinned tiling, so trailing rows equal to it are left out."""
+    the choice of the smallest measured M at or above it, and past the largest one the pinned tiling.
+    Rows: (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     import math
 
-    pinned = probe["pinned"]
-    differ = {cfg_key(*d["cfg"]) for d in probe["differing"]}  # bit differences or failed launches
+    ok = eligible(probe)
     out = []
     for m in sorted({r["m"] for r in probe["rows"]}):
         rows = [r for r in probe["rows"] if r["m"] == m]
-        scores = {}
-        for key in set.intersection(*(set(r["times_ms"]) for r in rows)) - differ:
-            bm, bn, bk, warps, stages = cfg_of(key)
-            if bk != pinned["BLOCK_K"]:
-                continue
-            scores[(bm, bn, warps, stages)] = sum(math.log(r["cublas_ms"] / r["times_ms"][key]) for r in rows)
-        if not scores:
-            continue
-        out.append((m, *max(scores, key=scores.get)))
-    default = (pinned["BLOCK_M"], pinned["BLOCK_N"], pinned["num_warps"], pinned["num_stages"])
-    while out and out[-1][1:] == default:  # trailing pinned rows say what M past them gets anyway
-        out.pop()
+        scores = {key: sum(math.log(r["cublas_ms"] / r["times_ms"][key]) for r in rows)
+                  for key in set.intersection(*(set(r["times_ms"]) for r in rows)) & ok}
+        if scores:
+            out.append((m, *cfg_of(max(scores, key=scores.get))))
+    return collapse(out, probe["pinned"])
+
+
+def propose_shape_tilings(probe: dict) -> dict[tuple[int, int], list[tuple[int, int, int, int, int, int]]]:
+    """tilings.SHAPE_TILINGS rows per weight shape (N, K): per measured M, the fastest eligible candidate
+    at that shape (`eligible`: the same bits everywhere the probe looked), collapsed as TILINGS' rows."""
+    ok = eligible(probe)
+    out = {}
+    for n, k in sorted({(r["n"], r["k"]) for r in probe["rows"]}):
+        rows = []
+        for r in sorted((r for r in probe["rows"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"]):
+            times = {key: t for key, t in r["times_ms"].items() if key in ok}
+            if times:
+                rows.append((r["m"], *cfg_of(min(times, key=times.get))))
+        if rows := collapse(rows, probe["pinned"]):
+            out[(n, k)] = rows
     return out
 
 
@@ -123,13 +153,19 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
     p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b,qwen3-moe-small")
     p.add_argument("--m", default=",".join(map(str, M_SIZES)))
-    p.add_argument("--propose", metavar="PROBE_JSON", help="print the TILINGS rows a probe's results give, and exit")
+    p.add_argument("--propose", metavar="PROBE_JSON", help="print the tilings.py tables a probe's results give, and exit")
     a = p.parse_args()
     if a.propose:
         with open(a.propose) as f:
             probe = json.load(f)
-        print(f"# {probe['gpu']}: (largest M, BLOCK_M, BLOCK_N, num_warps, num_stages) for matmul.TILINGS")
+        print(f"# {probe['gpu']}: rows (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)")
+        print("# for lockstep_kernels/gpu/tilings.py TILINGS (every shape):")
         print(propose_tilings(probe))
+        print("# for SHAPE_TILINGS ((N, K): rows):")
+        print("{")
+        for shape, rows in propose_shape_tilings(probe).items():
+            print(f"    {shape}: {rows},")
+        print("}")
         return 0
     dt = torch.bfloat16
     pinned = CONFIGS[dt]

@@ -1,4 +1,5 @@
-"""bench/bi_tile_probe.py's proposal of matmul.TILINGS rows from a probe's results (pure; no GPU)."""
+"""bench/bi_tile_probe.py's proposal of tilings.py's tables from a probe's results, and the tables' lookup
+(pure; no GPU)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from conftest import REPO
 pytest.importorskip("triton")
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-from bi_tile_probe import cfg_key, propose_tilings  # noqa: E402
+from bi_tile_probe import cfg_key, propose_shape_tilings, propose_tilings  # noqa: E402
+
+from lockstep_kernels.gpu import tilings  # noqa: E402
 
 PINNED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def row(m, cublas, **times):
-    return {"m": m, "cublas_ms": cublas, "times_ms": {cfg_key(*map(int, k[1:].split("_"))): t for k, t in times.items()}}
+def row(m, cublas, n=64, k=64, **times):
+    return {"m": m, "n": n, "k": k, "cublas_ms": cublas, "times_ms": {cfg_key(*map(int, k[1:].split("_"))): t for k, t in times.items()}}
 
 
 def test_each_m_takes_the_fastest_tiling_that_kept_the_bits_at_every_shape():
@@ -30,13 +33,43 @@ def test_each_m_takes_the_fastest_tiling_that_kept_the_bits_at_every_shape():
         row(1, 1.0, c128_128_64_8_3=10.0, c32_64_64_4_3=2.5, c64_64_64_4_3=3.0, c16_64_64_4_3=1.0),
         # M = 2048: the pinned tiling wins: its row stays, so M 2..2048 do not fall through to M=16384's
         row(2048, 1.0, c128_128_64_8_3=1.2, c32_64_64_4_3=5.0, c64_64_64_4_3=2.0),
-        # M = 16384: a BLOCK_K 128 candidate is fastest but reorders the reduction: not eligible
+        # M = 16384: a BLOCK_K 128 candidate is fastest and kept the bits: eligible like any other tiling
         row(16384, 1.0, c128_128_64_8_3=1.3, c128_256_64_8_3=1.1, c128_128_128_8_3=0.5),
     ]}
-    assert propose_tilings(probe) == [(1, 32, 64, 4, 3), (2048, 128, 128, 8, 3), (16384, 128, 256, 8, 3)]
+    assert propose_tilings(probe) == [(1, 32, 64, 64, 4, 3), (2048, 128, 128, 64, 8, 3), (16384, 128, 128, 128, 8, 3)]
     # and a last measured M whose best is the pinned tiling adds nothing: past the table is the pinned one
     probe["rows"] = probe["rows"][:3]
-    assert propose_tilings(probe) == [(1, 32, 64, 4, 3)]
+    assert propose_tilings(probe) == [(1, 32, 64, 64, 4, 3)]
+
+
+def test_shape_tables_take_each_shapes_fastest_tiling_that_kept_the_bits_everywhere():
+    probe = {"gpu": "H100", "pinned": PINNED, "differing": [
+        {"cfg": [16, 64, 64, 4, 3], "frac_bits_differ": 0.1},  # differed at some shape: never chosen anywhere
+    ], "rows": [
+        row(1, 1.0, n=128, k=256, c128_128_64_8_3=9.0, c16_64_64_4_3=1.0, c16_64_128_4_3=2.0, c32_64_64_4_3=3.0),
+        row(16, 1.0, n=128, k=256, c128_128_64_8_3=9.0, c16_64_128_4_3=2.5, c32_64_64_4_3=2.0),
+        row(64, 1.0, n=128, k=256, c128_128_64_8_3=9.0, c16_64_128_4_3=2.5, c32_64_64_4_3=2.0),
+        row(2048, 1.0, n=128, k=256, c128_128_64_8_3=1.0, c32_64_64_4_3=2.0),
+        row(1, 1.0, n=512, k=256, c128_128_64_8_3=1.0, c32_64_64_4_3=2.0),  # pinned is fastest: no table
+    ]}
+    # M=1: 16x64x128 (16x64x64 differed); M=16 and 64: 32x64x64, one row up to 64; M=2048: pinned, dropped
+    assert propose_shape_tilings(probe) == {(128, 256): [(1, 16, 64, 128, 4, 3), (64, 32, 64, 64, 4, 3)]}
+
+
+def test_lookup_prefers_the_shape_table_then_the_every_shape_table_then_the_pinned_tiling():
+    import torch
+
+    bf16, hopper = torch.bfloat16, tilings.HOPPER
+    shape_rows = tilings.SHAPE_TILINGS[hopper][bf16][(2048, 2048)]
+    assert tilings.pick(1, 2048, 2048, bf16, hopper) == shape_rows[0]
+    assert tilings.pick(shape_rows[-1][0], 2048, 2048, bf16, hopper) == shape_rows[-1]
+    assert tilings.pick(shape_rows[-1][0] + 1, 2048, 2048, bf16, hopper) is None  # past the table: pinned
+    every = tilings.TILINGS[hopper][bf16]
+    assert tilings.pick(1, 1000, 3000, bf16, hopper) == every[0]  # a shape the probe did not see
+    assert tilings.pick(1, 2048, 2048, bf16, None) is None  # the interpreter, a GPU without tables
+    assert tilings.pick(1, 2048, 2048, torch.float32, hopper) is None
+    for table in [tilings.TILINGS[hopper][bf16], *tilings.SHAPE_TILINGS[hopper][bf16].values()]:
+        assert [r[0] for r in table] == sorted({r[0] for r in table}), "rows ascending in M, each M once"
 
 
 def test_a_tiling_missing_at_one_shape_of_an_m_is_not_proposed_for_it():

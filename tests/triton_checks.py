@@ -77,18 +77,21 @@ def check_matmul(small):
 
 def check_matmul_tilings(small):
     """bi_linear at M from 1 to 4096 rows gives every row the bits it gets in a 4096-row product,
-    whichever output tiling matmul.tiling picks for each M (GPU shapes of the 1.7B and 4B presets;
-    with matmul.TILINGS empty for this GPU, one tiling, and this is check_matmul at more sizes)."""
-    from lockstep_kernels.gpu.matmul import TILINGS, bi_linear, tiling
+    whichever tiling tilings.py picks for each M and weight shape (GPU shapes of the 1.7B and 4B presets,
+    all in its per-shape table on Hopper; on a GPU without tables, one tiling, and this is check_matmul at
+    more sizes), and the tiling of an unlisted shape comes from the every-shape table."""
+    from lockstep_kernels.gpu.matmul import bi_linear, tiling
+    from lockstep_kernels.gpu.tilings import SHAPE_TILINGS, TILINGS
 
     cap = torch.cuda.get_device_capability() if DEV == "cuda" else None
-    shapes = [(40, 24)] if small else [(2048, 4096), (2560, 19456), (9728, 2560), (2048, 151936)]
+    shapes = [(40, 24)] if small else [(2048, 4096), (2560, 19456), (9728, 2560), (2048, 151936), (1000, 3000)]
     ms = (1, 3, 16, 17, 64, 100) if small else (1, 3, 8, 16, 17, 33, 64, 100, 256, 1000, 2048)
     full_m = 128 if small else 4096
-    out = {"tilings": {str(m): [tiling(m, torch.bfloat16, cap)[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps",
-                                                                             "num_stages")] for m in ms},
-           "table_entries": len(TILINGS.get(cap, {}).get(torch.bfloat16, []))}
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    out = {"table_entries": len(TILINGS.get(cap, {}).get(torch.bfloat16, [])),
+           "shape_tables": len(SHAPE_TILINGS.get(cap, {}).get(torch.bfloat16, {}))}
     for k, n in shapes:
+        out[f"tilings {k}x{n}"] = {str(m): [tiling(m, torch.bfloat16, cap, n, k)[key] for key in keys] for m in ms}
         x, w = randn(full_m, k, dtype=torch.bfloat16, seed=1), randn(n, k, dtype=torch.bfloat16, seed=2) * k ** -0.5
         y = bi_linear(x, w)
         g = torch.Generator(device="cpu").manual_seed(k + n)

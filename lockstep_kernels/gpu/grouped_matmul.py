@@ -7,8 +7,8 @@ allocation, grid; kernels.ops.grouped_linear calls it). No autograd: the engine 
 loop (pipeline/models/layers.py run_experts), which autograd, FSDP and the unused-expert trick need.
 
 Bits: an expert's rows are computed exactly as `bi_matmul(x_rows_of_e, w[e].t())` computes them
-(matmul.py): CONFIGS' tiling, whatever matmul.TILINGS gives bi_matmul for an expert's row count
-(a TILINGS row holds only tilings bench/bi_tile_probe.py showed to give CONFIGS' bits at the experts'
+(matmul.py): CONFIGS' tiling, whatever tilings.py gives bi_matmul for an expert's row count
+(a table row holds only tilings bench/bi_tile_probe.py showed to give CONFIGS' bits at the experts'
 shapes too), the same [BLOCK_M, BLOCK_N] tiles starting at the expert's first
 row, computed by matmul.py's own tile routine (`_tile_acc`: rows past the expert's last read as zero, K
 reduced from 0 upward in BLOCK_K steps into an fp32 accumulator, split at matmul.K_CHUNK as bi_matmul splits it), the same IEEE / UPCAST flags. The true on-policy trainer computes

@@ -5,8 +5,9 @@ grid), `BiLinear` (autograd: forward through the kernel, backward through torch 
 need no invariance), `bi_linear` (functional wrapper used by kernels.ops.linear).
 
 Invariance: one program computes one [BLOCK_M, BLOCK_N] output tile, reducing K from 0 upward in
-BLOCK_K steps into an fp32 accumulator. Tiles are pinned per dtype (no autotuning), so row m of the
-output depends only on row m of x, never on M or on the other rows.
+BLOCK_K steps into an fp32 accumulator, so row m of the output depends only on row m of x, never on M
+or on the other rows. No autotuning: the tiling is CONFIGS' (pinned per dtype), or on GPUs with a table
+in tilings.py the one it gives for (M, N, K), and only tilings shown to give the pinned bits are there.
 
 Fixed split-K (K_CHUNK, off unless set): K is cut at fixed points, every K_CHUNK columns from 0; each
 chunk is reduced as above into a fresh fp32 partial, and the partials are added in ascending order into
@@ -26,26 +27,16 @@ import triton
 import triton.language as tl
 
 from lockstep_kernels.gpu.offsets import offset64
+from lockstep_kernels.gpu.tilings import pick
 
-# Pinned tile configurations, by input dtype. BLOCK_K (with the loop from k = 0 upward) is the reduction
-# order and never changes; the output tiling may, per M, from TILINGS below.
+# Pinned tile configurations, by input dtype: the reduction (K from 0 upward in BLOCK_K chunks into one fp32
+# accumulator) and the tiling a GPU without a table in tilings.py uses for every M.
 CONFIGS = {
     torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-# Output tilings by M on GPUs of one compute capability: (largest M, BLOCK_M, BLOCK_N, num_warps,
-# num_stages), first match wins, M past the last entry takes CONFIGS. An entry belongs here only when
-# bench/bi_tile_probe.py has shown on such a GPU that it gives CONFIGS' bits at every preset shape (the
-# reduction is the same; whether the MMA instruction a tile shape selects rounds alike is measured, not
-# assumed), and tests/triton_checks.py matmul_tilings checks it again. A GPU not listed: one tiling for every M.
-TILINGS: dict[tuple[int, int], dict[torch.dtype, list[tuple[int, int, int, int, int]]]] = {
-    # Hopper (H100 / H200), from `bench/bi_tile_probe.py --propose` on an H100 (2026-12-05,
-    # bench/results/h100/bi_tile_probe.json): 120 shapes, no candidate differing in bits.
-    (9, 0): {torch.bfloat16: [(64, 16, 64, 4, 4), (256, 64, 64, 4, 4)]},
-}
 
 
 # Columns of K per chunk of the fixed split-K, by input dtype (a multiple of BLOCK_K); None: one chunk (the
@@ -60,14 +51,16 @@ K_CHUNK: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float16: N
 SPLIT_BELOW_SM_FRACTION = 0.5
 
 
-def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> dict:
-    """The kernel configuration for an M-row product: CONFIGS[dtype] with the output tiling TILINGS
-    gives this GPU for M. A pure function of (M, dtype, GPU): a row's bits never depend on it."""
+def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None, n: int | None = None,
+           k: int | None = None) -> dict:
+    """The kernel configuration for an M-row product with an [N, K] weight: CONFIGS[dtype] with the tiling
+    tilings.py gives this GPU for that shape and M. A pure function of (M, N, K, dtype, GPU), and a
+    row's bits never depend on it (tilings.py says why and how that is shown)."""
     cfg = dict(CONFIGS[dtype])
-    for max_m, bm, bn, warps, stages in TILINGS.get(capability, {}).get(dtype, []):
-        if m <= max_m:
-            cfg.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-            break
+    row = pick(m, n, k, dtype, capability)
+    if row is not None:
+        _, bm, bn, bk, warps, stages = row
+        cfg.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return cfg
 
 
@@ -216,12 +209,13 @@ def _sum_chunks_kernel(part_ptr, c_ptr, bias_ptr, M, N, CHUNKS, stride_pc, strid
     _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
-def k_chunk(dtype: torch.dtype, k: int) -> int:
+def k_chunk(dtype: torch.dtype, k: int, block_k: int | None = None) -> int:
     """The split-K chunk for K columns of this dtype: 0 (one chunk) when K_CHUNK is None or K fits in one."""
     chunk = K_CHUNK.get(dtype)
     if chunk is None or k <= chunk:
         return 0
-    assert chunk % CONFIGS[dtype]["BLOCK_K"] == 0, f"K_CHUNK {chunk} must be a multiple of BLOCK_K"
+    block_k = block_k or CONFIGS[dtype]["BLOCK_K"]
+    assert chunk % block_k == 0, f"K_CHUNK {chunk} must be a multiple of BLOCK_K ({block_k})"
     return chunk
 
 
@@ -248,8 +242,8 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | Non
     c = torch.empty((m, n), dtype=a_MK.dtype, device=a_MK.device)
     if m == 0 or n == 0:
         return c
-    cfg = tiling(m, a_MK.dtype, _capability(a_MK))
-    chunk = k_chunk(a_MK.dtype, k)
+    cfg = tiling(m, a_MK.dtype, _capability(a_MK), n, k)
+    chunk = k_chunk(a_MK.dtype, k, cfg["BLOCK_K"])
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     ieee, bias = a_MK.dtype == torch.float32, bias_N if bias_N is not None else c
     sms = _sm_count(a_MK.device.index or 0) if a_MK.is_cuda else None

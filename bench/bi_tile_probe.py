@@ -1,6 +1,7 @@
 """Which output tilings of the batch-invariant matmul give the same bits, and how fast each is (issue 27).
 
     PYTHONPATH=$PWD python3 bench/bi_tile_probe.py --out DIR        (a GPU; ~2-3 minutes)
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 bench/bi_tile_probe.py --tiny --out DIR   (CPU: the script runs)
 
 The batch-invariance argument of lockstep_kernels/gpu/matmul.py needs only the reduction over K to be
 fixed: BLOCK_K chunks from 0 upward, one tl.dot each, fp32 accumulation. The output tiling (BLOCK_M,
@@ -31,7 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from lockstep_kernels.gpu.matmul import CONFIGS, _bi_matmul_kernel  # noqa: E402
+from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, _bi_matmul_kernel  # noqa: E402
+from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma  # noqa: E402
 
 M_SIZES = (1, 16, 64, 256, 2048, 16384)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K 64 is the pinned one; the few with 32 or
@@ -42,6 +44,12 @@ TILES = [(16, 32, 4), (16, 32, 2), (32, 32, 4), (64, 32, 4), (16, 64, 4), (16, 6
          (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (128, 256, 8)]
 CANDIDATES = [(bm, bn, 64, w, s) for bm, bn, w in TILES for s in (3, 4) if not (bm * bn >= 128 * 256 and s == 4)] + [
     (128, 128, 128, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (16, 64, 128, 4, 3)]
+
+
+# The persistent TMA kernel (lockstep_kernels/gpu/matmul_tma.py) at the large-M tilings: same bits as the
+# pinned kernel, and faster than it? Timed under "tma:<cfg_key>"; not in tilings.py's tables (yet).
+TMA_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+                  (128, 128, 128, 8, 3)]
 
 
 def shapes(preset_names: list[str]) -> list[tuple[str, int, int]]:
@@ -75,8 +83,9 @@ def cfg_of(key: str) -> tuple[int, int, int, int, int]:
 
 def eligible(probe: dict) -> set[str]:
     """The candidates that gave the pinned bits at every shape and M of the probe (and launched there)."""
-    differ = {cfg_key(*d["cfg"]) for d in probe["differing"]}  # bit differences or failed launches
-    return set.union(set(), *(set(r["times_ms"]) for r in probe["rows"])) - differ
+    differ = {cfg_key(*d["cfg"]) for d in probe["differing"] if d.get("kernel", "pinned") == "pinned"}
+    keys = set.union(set(), *(set(r["times_ms"]) for r in probe["rows"]))
+    return {key for key in keys if not key.startswith("tma:")} - differ  # bit differences or failed launches
 
 
 def collapse(rows: list[tuple], pinned: dict) -> list[tuple]:
@@ -133,7 +142,7 @@ def propose_shape_tilings(probe: dict) -> dict[tuple[int, int], list[tuple[int, 
 def save(out_dir: str, pinned: dict, rows: list, differing: list) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bi_tile_probe.json"), "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(0), "pinned": pinned, "candidates": CANDIDATES, "rows": rows,
+        json.dump({"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (interpreter)", "pinned": pinned, "candidates": CANDIDATES, "rows": rows,
                    "differing": differing}, f, indent=1)
 
 
@@ -142,8 +151,20 @@ def launch(a, b_KN, c, cfg):
     n = b_KN.shape[1]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _bi_matmul_kernel[grid](a, b_KN, c, c, m, n, k, a.stride(0), a.stride(1), b_KN.stride(0), b_KN.stride(1),
-                            c.stride(0), c.stride(1), HAS_BIAS=False, IEEE=False, UPCAST=False, **cfg)
+                            c.stride(0), c.stride(1), HAS_BIAS=False, IEEE=False, UPCAST=INTERPRET, K_CHUNK=0, **cfg)
     return c
+
+
+def wall_ms(fn) -> float:
+    """Median wall-clock ms of three calls (the CPU interpreter; do_bench needs a GPU)."""
+    import time
+
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
 
 
 def main() -> int:
@@ -154,7 +175,11 @@ def main() -> int:
     p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b,qwen3-moe-small")
     p.add_argument("--m", default=",".join(map(str, M_SIZES)))
     p.add_argument("--propose", metavar="PROBE_JSON", help="print the tilings.py tables a probe's results give, and exit")
+    p.add_argument("--tiny", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1): one small shape, a few"
+                   " candidates; checks the script runs (the interpreter's bits are not the GPU's)")
     a = p.parse_args()
+    if a.tiny and not INTERPRET:
+        p.error("--tiny runs on the CPU interpreter: set TRITON_INTERPRET=1")
     if a.propose:
         with open(a.propose) as f:
             probe = json.load(f)
@@ -167,26 +192,28 @@ def main() -> int:
             print(f"    {shape}: {rows},")
         print("}")
         return 0
-    dt = torch.bfloat16
+    dt, dev = torch.bfloat16, "cpu" if a.tiny else "cuda"
     pinned = CONFIGS[dt]
-    timeit = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10, return_mode="median")  # noqa: E731
+    timeit = wall_ms if a.tiny else lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10, return_mode="median")
+    candidates, tma_candidates = (CANDIDATES[:2], TMA_CANDIDATES[:1]) if a.tiny else (CANDIDATES, TMA_CANDIDATES)
+    m_sizes = (1, 17, 256) if a.tiny else tuple(map(int, a.m.split(",")))
     rows, differing = [], []
     torch.manual_seed(0)
-    for label, n, k in shapes(a.presets.split(",")):
-        w = torch.randn(n, k, device="cuda", dtype=dt) * k ** -0.5
-        for m in map(int, a.m.split(",")):
+    for label, n, k in [("tiny", 48, 80)] if a.tiny else shapes(a.presets.split(",")):
+        w = torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
+        for m in m_sizes:
             if m * n > 2**32:
                 continue
-            x = torch.randn(m, k, device="cuda", dtype=dt)
-            ref = launch(x, w.t(), torch.empty(m, n, device="cuda", dtype=dt), pinned)
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            ref = launch(x, w.t(), torch.empty(m, n, device=dev, dtype=dt), pinned)
             t_cublas = timeit(lambda: F.linear(x, w))
             buf = torch.empty_like(ref)
             t_pinned = timeit(lambda: launch(x, w.t(), buf, pinned))
             times = {}  # cfg_key -> ms, for the candidates that kept the pinned bits
-            for bm, bn, bk, warps, stages in CANDIDATES:
+            for bm, bn, bk, warps, stages in candidates:
                 cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                 try:
-                    out = launch(x, w.t(), torch.empty(m, n, device="cuda", dtype=dt), cfg)
+                    out = launch(x, w.t(), torch.empty(m, n, device=dev, dtype=dt), cfg)
                 except Exception as e:  # out of shared memory etc.: not a candidate here
                     differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
                                       "error": f"{type(e).__name__}: {str(e)[:120]}"})
@@ -198,20 +225,40 @@ def main() -> int:
                                       "frac_bits_differ": bad})
                     continue
                 times[cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: launch(x, w.t(), out, cfg))
+            for bm, bn, bk, warps, stages in tma_candidates if m >= 256 else ():
+                cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                entry = {"kernel": "tma", "shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages]}
+                try:
+                    out = bi_matmul_tma(x, w, cfg=cfg)
+                except Exception as e:  # an older Triton, out of shared memory, ...
+                    differing.append(dict(entry, error=f"{type(e).__name__}: {str(e)[:120]}"))
+                    continue
+                if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
+                    bad = (out.view(torch.int16) != ref.view(torch.int16)).sum().item() / out.numel()
+                    differing.append(dict(entry, frac_bits_differ=bad))
+                    continue
+                times["tma:" + cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: bi_matmul_tma(x, w, cfg=cfg))
+            tma = {key: t for key, t in times.items() if key.startswith("tma:")}
+            times = {key: t for key, t in times.items() if not key.startswith("tma:")}
             best = min(times, key=times.get) if times else None
             row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
                    "pinned_ratio": t_cublas / t_pinned,
                    "best_cfg": best and list(cfg_of(best)), "best_ms": best and times[best],
-                   "best_ratio": best and t_cublas / times[best], "times_ms": times}
+                   "best_ratio": best and t_cublas / times[best], "times_ms": times,
+                   "tma_ms": tma, "tma_best_ratio": tma and t_cublas / min(tma.values())}
             rows.append(row)
             print(f"{label:<22} m={m:<6} n={n:<6} k={k:<5} cublas {t_cublas:8.4f} ms  pinned {row['pinned_ratio']:.2f}x"
-                  f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}", flush=True)
+                  f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}"
+                  + (f"  tma {row['tma_best_ratio']:.2f}x" if tma else ""), flush=True)
             del x, ref, buf
         del w
         torch.cuda.empty_cache()
         save(a.out, pinned, rows, differing)  # after every shape: a cut-off call keeps what ran
-    n_bits = sum(1 for d in differing if "frac_bits_differ" in d)
-    print(f"{len(rows)} shapes; candidates differing in bits: {n_bits}; failed to launch: {len(differing) - n_bits}")
+    for kernel in ("pinned", "tma"):
+        mine = [d for d in differing if d.get("kernel", "pinned") == kernel]
+        n_bits = sum(1 for d in mine if "frac_bits_differ" in d)
+        print(f"{kernel} kernel: {len(rows)} shapes; candidates differing in bits: {n_bits}; "
+              f"failed to launch: {len(mine) - n_bits}")
     return 0
 
 

@@ -78,3 +78,24 @@ def test_a_tiling_missing_at_one_shape_of_an_m_is_not_proposed_for_it():
         row(64, 1.0, c128_128_64_8_3=4.0),  # the 64x128 tiling did not run at this shape
     ]}
     assert propose_tilings(probe) == []
+
+
+def test_the_probe_runs_end_to_end_on_the_interpreter(tmp_path):
+    """The GPU probe's own loop (its kernels' launches, the bit comparisons, the TMA kernel at M >= 256,
+    the JSON, --propose on it) on a small shape under the CPU interpreter: a device call is too scarce to
+    find a broken launch with."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO)
+    run = subprocess.run([sys.executable, "bench/bi_tile_probe.py", "--tiny", "--out", str(tmp_path)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    probe = json.loads((tmp_path / "bi_tile_probe.json").read_text())
+    assert [r["m"] for r in probe["rows"]] == [1, 17, 256]
+    assert all(r["times_ms"] and r["cublas_ms"] > 0 for r in probe["rows"])
+    assert not probe["rows"][0]["tma_ms"] and probe["rows"][2]["tma_ms"], "the TMA kernel runs at M >= 256 only"
+    assert not [d for d in probe["differing"] if "error" in d], probe["differing"]
+    proposal = subprocess.run([sys.executable, "bench/bi_tile_probe.py", "--propose", str(tmp_path / "bi_tile_probe.json")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proposal.returncode == 0 and "SHAPE_TILINGS" in proposal.stdout, proposal.stderr[-2000:]

@@ -158,6 +158,50 @@ def check_matmul_split(small):
     return out
 
 
+def check_matmul_tma(small):
+    """The persistent TMA matmul (matmul_tma.py, not in use yet) against matmul.py's kernel with the same
+    tiling: every output bitwise equal, bias included, at odd M, N and K (the TMA unit's zero fill past
+    the edges) and with fewer programs than tiles (each program walks several); and a matmul (relative
+    error against fp64)."""
+    from lockstep_kernels.gpu.matmul import CONFIGS
+    from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma
+
+    if DEV == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        return {"skipped": "TMA needs compute capability 9.0+"}
+    shapes = [(37, 72, 50), (130, 64, 40)] if small else [(1, 2048, 2048), (77, 2560, 9728), (4096, 2048, 6144),
+                                                          (16384, 2048, 4096), (1000, 2048, 151936)]
+    tilings = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)] if small else [
+        dict(CONFIGS[torch.bfloat16]), dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)]
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, k, n in shapes:
+            x, w, b = randn(m, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2) * k ** -0.5, randn(n, dtype=dtype, seed=3)
+            for cfg in tilings:
+                cfg = dict(CONFIGS[dtype], **cfg)
+                ref = _pinned_with(cfg, x, w, b)
+                for sms in ((3, None) if small else (None, 7)):
+                    y = bi_matmul_tma(x, w, b, cfg=cfg, num_sms=sms)
+                    assert torch.equal(bits(y), bits(ref)), ("TMA bits differ", dtype, m, k, n, cfg, sms)
+            out[f"{dtype}-{m}x{k}x{n}"] = rel(y, F.linear(x.double(), w.double(), b.double()))
+            assert out[f"{dtype}-{m}x{k}x{n}"] < TOL[torch.bfloat16], out
+            del x, w, b
+    return out
+
+
+def _pinned_with(cfg, x, w, b):
+    """matmul.py's kernel with this tiling (the reference for kernels that must give its bits)."""
+    from lockstep_kernels.gpu.matmul import _bi_matmul_kernel
+
+    m, k = x.shape
+    n = w.shape[0]
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _bi_matmul_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, w.t(), c, b, m, n, k, x.stride(0), x.stride(1), w.t().stride(0), w.t().stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=True, IEEE=False, UPCAST=INTERPRETED, K_CHUNK=0, **cfg)
+    return c
+
+
 def check_grouped_matmul(small):
     """The grouped expert GEMM: each expert's rows bitwise what bi_matmul computes for them alone (the
     true on-policy trainer's per-expert call), for uneven counts with experts of no rows, tiles past
@@ -742,7 +786,7 @@ def check_fp8_matmul_2g(small):
     return out
 
 
-CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "matmul_split": check_matmul_split, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
+CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "matmul_split": check_matmul_split, "matmul_tma": check_matmul_tma, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention, "bi_decode": check_bi_decode,
           "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
           "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,

@@ -18,7 +18,7 @@ from conftest import REPO
 
 pytest.importorskip("triton")
 
-NAMES = ["matmul", "matmul_tilings", "matmul_split", "matmul_tma", "grouped_matmul", "rms_norm", "log_softmax", "attention", "decode_attention", "bi_decode", "fp8_matmul", "sampling"]
+NAMES = ["matmul", "matmul_tilings", "matmul_split", "matmul_tma", "attention_configs", "grouped_matmul", "rms_norm", "log_softmax", "attention", "decode_attention", "bi_decode", "fp8_matmul", "sampling"]
 
 
 @pytest.fixture(scope="module")

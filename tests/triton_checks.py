@@ -294,6 +294,37 @@ def check_log_softmax(small):
     return out
 
 
+def check_attention_configs(small):
+    """The prefill kernel under other launch configurations (query rows per program, warps, stages):
+    every output bitwise the pinned configuration's (attention.PREFILL_CONFIG), including queries whose
+    tile starts mid-sequence (a span that does not start at 0) and a 64-row decode of the same queries."""
+    from lockstep_kernels.gpu.attention import PREFILL_CONFIG, attention_fwd
+
+    configs = [dict(BLOCK_M=128, num_warps=8, num_stages=2), dict(BLOCK_M=64, num_warps=4, num_stages=3),
+               dict(BLOCK_M=128, num_warps=4, num_stages=3), dict(BLOCK_M=64, num_warps=8, num_stages=1)]
+    cases = [(2, 4, 2, 16, 150)] if small else [(4, 16, 8, 128, 1100), (2, 32, 8, 128, 2048), (3, 14, 2, 64, 700)]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, h, g, d, t in cases:
+            q, k, v = randn(b, h, t, d, dtype=dtype, seed=1), randn(b, g, t, d, dtype=dtype, seed=2), randn(b, g, t, d, dtype=dtype, seed=3)
+            qpos = torch.arange(t, device=DEV)[None].expand(b, t).contiguous()
+            ref = attention_fwd(q, k, v, qpos, cfg=PREFILL_CONFIG)
+            tail = t // 3  # queries t//3.. over the whole cache: tiles that start mid-sequence
+            ref_tail = attention_fwd(q[:, :, tail:].contiguous(), k, v, qpos[:, tail:].contiguous(), cfg=PREFILL_CONFIG)
+            for cfg in configs:
+                full = attention_fwd(q, k, v, qpos, cfg=cfg)
+                tail_out = attention_fwd(q[:, :, tail:].contiguous(), k, v, qpos[:, tail:].contiguous(), cfg=cfg)
+                if INTERPRETED and cfg["BLOCK_M"] != PREFILL_CONFIG["BLOCK_M"]:  # numpy's BLAS: other tile
+                    assert rel(full, ref) < TOL[dtype] and rel(tail_out, ref_tail) < TOL[dtype], (dtype, cfg)  # rows
+                    continue
+                assert torch.equal(bits(full), bits(ref)), ("prefill", dtype, cfg)
+                assert torch.equal(bits(tail_out), bits(ref_tail)), ("mid-sequence span", dtype, cfg)
+            if not INTERPRETED:  # a row's place in a tile: the GPU's MMAs only (see bi_decode)
+                assert torch.equal(bits(ref_tail), bits(ref[:, :, tail:])), ("span start changed bits", dtype)
+            out[f"{dtype}-b{b}h{h}g{g}d{d}t{t}"] = 0.0
+    return out
+
+
 def check_attention(small):
     from lockstep_kernels.gpu.attention import bi_attention, sdpa_reference
 
@@ -786,7 +817,7 @@ def check_fp8_matmul_2g(small):
     return out
 
 
-CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "matmul_split": check_matmul_split, "matmul_tma": check_matmul_tma, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
+CHECKS = {"matmul": check_matmul, "matmul_tilings": check_matmul_tilings, "matmul_split": check_matmul_split, "matmul_tma": check_matmul_tma, "attention_configs": check_attention_configs, "grouped_matmul": check_grouped_matmul, "rms_norm": check_rms_norm, "log_softmax": check_log_softmax,
           "attention": check_attention, "decode_attention": check_decode_attention, "bi_decode": check_bi_decode,
           "fp8_matmul": check_fp8_matmul, "sampling": check_sampling, "varlen_attention": check_varlen_attention,
           "offsets": check_offsets, "matmul_2g": check_matmul_2g, "rms_norm_2g": check_rms_norm_2g,

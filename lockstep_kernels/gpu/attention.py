@@ -130,26 +130,34 @@ def query_spans(qpos_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qstart.to(torch.int32).contiguous(), consecutive.sum(1).to(torch.int32).contiguous()
 
 
-def attention_grid(b: int, h: int, q: int) -> tuple[int, int]:
-    """(sequences x heads, query tiles): a span of q positions touches at most cdiv(q, 64) + 1 aligned
-    tiles; the product that grows with the batch on the first axis (grid.py)."""
-    return checked("bi_attention", (b * h, triton.cdiv(q, QUERY_ROWS) + 1))
+def attention_grid(b: int, h: int, q: int, block_m: int = QUERY_ROWS) -> tuple[int, int]:
+    """(sequences x heads, query tiles): a span of q positions touches at most cdiv(q, block_m) + 1
+    aligned tiles; the product that grows with the batch on the first axis (grid.py)."""
+    return checked("bi_attention", (b * h, triton.cdiv(q, block_m) + 1))
 
 
-def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None) -> torch.Tensor:
+# The launch of the prefill / training kernel: query rows per program, warps, pipeline stages. Scheduling
+# only: the key blocks (key_block) fix each query's reduction, and a query's row in its tile does not
+# matter to the GPU's MMAs (tests/triton_checks.py bi_decode compares 64-row decode tiles of GQA heads with
+# this kernel bitwise), so `bench/bi_attention_probe.py` may pick another one where it shows the same
+# bits and more speed (tests/triton_checks.py attention_configs checks them again).
+PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=2)
+
+
+def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:
     b, h, q, d = q_BHQD.shape
     g, t = k_BGTD.shape[1], k_BGTD.shape[2]
     assert d in (16, 32, 64, 128, 256) and h % g == 0, (d, h, g)
     assert q_BHQD.stride(-1) == 1 and k_BGTD.stride(-1) == 1 and v_BGTD.stride(-1) == 1, "head dim must be contiguous"
     out = torch.zeros_like(q_BHQD)
     qstart, qlen = query_spans(qpos_BQ)
-    block_m, block_n = QUERY_ROWS, key_block(d)
-    _bi_attention_kernel[attention_grid(b, h, q)](
+    cfg = cfg or PREFILL_CONFIG
+    _bi_attention_kernel[attention_grid(b, h, q, cfg["BLOCK_M"])](
         q_BHQD, k_BGTD, v_BGTD, out, qstart, qlen,
         q_BHQD.stride(0), q_BHQD.stride(1), q_BHQD.stride(2), k_BGTD.stride(0), k_BGTD.stride(1), k_BGTD.stride(2),
         v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        h, g, t, d ** -0.5 if scale is None else scale, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET,
-        IEEE=q_BHQD.dtype == torch.float32, num_warps=4, num_stages=2,
+        h, g, t, d ** -0.5 if scale is None else scale, D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=key_block(d),
+        UPCAST=INTERPRET, IEEE=q_BHQD.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

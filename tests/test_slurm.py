@@ -209,6 +209,34 @@ def test_a_node_failure_counts_only_when_the_steps_current_start_saw_it(tmp_path
     assert driver.node_failure("trainer", p) == "n3"
 
 
+def test_a_node_failure_counts_only_for_a_step_that_ran_on_that_node(tmp_path):
+    """With --no-kill, srun tells every step of the allocation about a lost node: the rollout manager
+    (seen beating on n1) ending normally after engine_1's node n3 went down is not a failure on n3 (it
+    was moved to a spare and restarted: the spare-node test's second 'move'), while a step seen on n3 is,
+    and a step never seen beating (no heartbeat yet) still counts it, as before."""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline.launch.slurm.driver import SlurmDriver
+
+    driver = SlurmDriver(str(tmp_path))
+    driver.log_start = {}
+    os.makedirs(driver.rundir.heartbeat_dir)
+    for component, node in (("rollout", "n1"), ("engine_1", "n3")):
+        with open(driver.rundir.heartbeat_file(component), "w") as f:
+            json.dump({"component": component, "node": node, "beat": 0.0}, f)
+    driver.note_nodes()
+    driver.rundir.clear_heartbeats()  # both ended: their heartbeats are withdrawn, the driver remembers
+    for step in ("rollout", "engine_1", "trainer"):
+        (tmp_path / f"srun_{step}.log").write_text("srun: error: Node failure on n3\n")
+    log = lambda step: SimpleNamespace(log_path=str(tmp_path / f"srun_{step}.log"))  # noqa: E731
+    assert driver.node_failure("rollout", log("rollout")) is None
+    assert driver.node_failure("engine_1", log("engine_1")) == "n3"
+    assert driver.node_failure("trainer", log("trainer")) == "n3"  # never seen: counted
+    driver.prepare_restart("engine_1")  # restarted elsewhere: what was seen of it no longer says where it runs
+    assert "engine_1" not in driver.step_nodes
+
+
 def test_spare_nodes_are_asked_for_and_the_job_survives_a_node(tmp_path):
     res = lockstep("submit", "configs/cluster-example.yaml", f"run_dir={tmp_path}/run", "slurm.rollout.spare_nodes=1",
                    "--dry-run")

@@ -65,6 +65,10 @@ class SlurmDriver(Checkpointable):
         self.run_dir, self.role = run_dir, role
         self.rundir = RunDir(run_dir)
         self.sup: Supervisor | None = None
+        self.procs: dict[str, Proc] = {}
+        # the nodes each step's processes were seen beating on since its last start (a finished step
+        # withdraws its heartbeat, so the driver keeps what it saw)
+        self.step_nodes: dict[str, set[str]] = {}
 
     # ---- the job ------------------------------------------------------------------------------------
     def __call__(self) -> dict:
@@ -135,6 +139,7 @@ class SlurmDriver(Checkpointable):
             if info is not None:  # the partner job (paired mode) failed
                 raise ComponentFailed(f"{info.get('component')} (in job {info.get('job')})", info.get("returncode"))
             self.kill_silent()
+            self.note_nodes()
             for name, p in self.procs.items():
                 rc = p.popen.poll()
                 if rc not in (None, 0) or (rc == 0 and self.node_failure(name, p)):
@@ -170,10 +175,23 @@ class SlurmDriver(Checkpointable):
         except FileNotFoundError:
             return ""
 
+    def note_nodes(self) -> None:
+        """Remember where each step's processes beat (step_nodes)."""
+        for component, beat in self.rundir.heartbeats().items():
+            step = component if component in self.procs else component.rsplit("_", 1)[0]
+            if beat.get("node"):
+                self.step_nodes.setdefault(step, set()).add(beat["node"])
+
     def node_failure(self, step: str, p: Proc) -> str | None:
-        """The node Slurm lost under this step since its last start (srun then exits 0), if any."""
+        """The node Slurm lost under this step since its last start (srun then exits 0), if any. srun
+        with --no-kill also tells a step of a node of the allocation the step never ran on: that is
+        another step's failure, not this one's (a rollout manager ending normally after an engine's node
+        went down must not be moved), so a node the step was seen beating elsewhere than is not counted."""
         m = NODE_FAILURE.search(self.since_start(step, p))
-        return m.group(1) if m else None
+        if m is None:
+            return None
+        seen = self.step_nodes.get(step)
+        return m.group(1) if not seen or m.group(1) in seen else None
 
     def recover(self, step: str, p: Proc, rc: int) -> None:
         down = self.node_failure(step, p)
@@ -207,6 +225,7 @@ class SlurmDriver(Checkpointable):
     def prepare_restart(self, step: str) -> int | None:
         """Clear what the step's old processes published; the step it will resume from (trainer)."""
         self.rundir.clear_heartbeats(step)
+        self.step_nodes.pop(step, None)  # it may start elsewhere
         if step != "trainer":
             return None
         for path in (self.rundir.trainer_file, self.rundir.weights_file):

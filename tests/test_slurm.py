@@ -225,7 +225,7 @@ def test_a_node_failure_counts_only_for_a_step_that_ran_on_that_node(tmp_path):
     for component, node in (("rollout", "n1"), ("engine_1", "n3")):
         with open(driver.rundir.heartbeat_file(component), "w") as f:
             json.dump({"component": component, "node": node, "beat": 0.0}, f)
-    driver.note_nodes()
+    driver.note_nodes(driver.rundir.heartbeats())
     driver.rundir.clear_heartbeats()  # both ended: their heartbeats are withdrawn, the driver remembers
     for step in ("rollout", "engine_1", "trainer"):
         (tmp_path / f"srun_{step}.log").write_text("srun: error: Node failure on n3\n")

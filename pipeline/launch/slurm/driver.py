@@ -138,8 +138,9 @@ class SlurmDriver(Checkpointable):
             info = self.rundir.failure()
             if info is not None:  # the partner job (paired mode) failed
                 raise ComponentFailed(f"{info.get('component')} (in job {info.get('job')})", info.get("returncode"))
-            self.kill_silent()
-            self.note_nodes()
+            beats = self.rundir.heartbeats()
+            self.kill_silent(beats)
+            self.note_nodes(beats)
             for name, p in self.procs.items():
                 rc = p.popen.poll()
                 if rc not in (None, 0) or (rc == 0 and self.node_failure(name, p)):
@@ -153,15 +154,19 @@ class SlurmDriver(Checkpointable):
             time.sleep(0.5)
 
     # ---- failures -------------------------------------------------------------------------------------
-    def kill_silent(self) -> None:
+    def step_of(self, component: str) -> str:
+        """The job step a heartbeat's component runs in (engine_1 -> engine_1, trainer_3 -> trainer)."""
+        return component if component in self.procs else component.rsplit("_", 1)[0]
+
+    def kill_silent(self, beats: dict[str, dict]) -> None:
         """Kill the steps whose processes stopped beating (hung, frozen, on a node gone silent)."""
-        quiet = silent(self.rundir.heartbeats(), self.cfg.faults.heartbeat_timeout_s)
+        quiet = silent(beats, self.cfg.faults.heartbeat_timeout_s)
         for component, age in quiet.items():
-            step = component if component in self.procs else component.rsplit("_", 1)[0]
+            step = self.step_of(component)
             p = self.procs.get(step)
             if p is None or p.popen.poll() is not None or step in self.hung:
                 continue
-            node = self.rundir.heartbeats().get(component, {}).get("node")
+            node = beats.get(component, {}).get("node")
             self.hung[step] = f"no heartbeat from {component} for {age:.0f} s" + (f" (node {node})" if node else "")
             log.warning("%s: killing step %s", self.hung[step], step)
             abort_step(p)
@@ -175,12 +180,11 @@ class SlurmDriver(Checkpointable):
         except FileNotFoundError:
             return ""
 
-    def note_nodes(self) -> None:
+    def note_nodes(self, beats: dict[str, dict]) -> None:
         """Remember where each step's processes beat (step_nodes)."""
-        for component, beat in self.rundir.heartbeats().items():
-            step = component if component in self.procs else component.rsplit("_", 1)[0]
+        for component, beat in beats.items():
             if beat.get("node"):
-                self.step_nodes.setdefault(step, set()).add(beat["node"])
+                self.step_nodes.setdefault(self.step_of(component), set()).add(beat["node"])
 
     def node_failure(self, step: str, p: Proc) -> str | None:
         """The node Slurm lost under this step since its last start (srun then exits 0), if any. srun

@@ -18,13 +18,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from common import bench, wall_ms  # noqa: E402
 from lockstep_kernels.gpu.attention import PREFILL_CONFIG, attention_fwd  # noqa: E402
 
 CANDIDATES = [dict(BLOCK_M=bm, num_warps=w, num_stages=s) for bm in (64, 128) for w in (4, 8) for s in (1, 2, 3, 4)]
@@ -34,16 +34,6 @@ SHAPES = [(8, 1024), (4, 4096)]  # sequences x tokens: 8k and 16k-token micro-ba
 
 def key(cfg: dict) -> str:
     return f"m{cfg['BLOCK_M']}/w{cfg['num_warps']}/s{cfg['num_stages']}"
-
-
-def wall_ms(fn) -> float:
-    """Median wall-clock ms of three calls (the CPU interpreter; do_bench needs a GPU)."""
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
 
 
 def main() -> int:
@@ -56,10 +46,8 @@ def main() -> int:
     if a.tiny:
         dev, presets, shapes, candidates, timeit = "cpu", {"tiny": (4, 2, 16)}, [(2, 80)], CANDIDATES[:2] + CANDIDATES[8:9], wall_ms
     else:
-        import triton.testing
-
         dev, presets, shapes, candidates = "cuda", PRESETS, SHAPES, CANDIDATES
-        timeit = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")  # noqa: E731
+        timeit = lambda fn: bench(fn, warmup=5, rep=25)  # noqa: E731
     dt = torch.bfloat16
     rows, differing = [], []
     torch.manual_seed(0)

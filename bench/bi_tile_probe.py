@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
 
-from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, _bi_matmul_kernel  # noqa: E402
+from common import bench, wall_ms  # noqa: E402
+from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, bi_matmul  # noqa: E402
 from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma  # noqa: E402
 
 M_SIZES = (1, 16, 64, 256, 2048, 16384)
@@ -146,30 +146,22 @@ def save(out_dir: str, pinned: dict, rows: list, differing: list) -> None:
                    "differing": differing}, f, indent=1)
 
 
-def launch(a, b_KN, c, cfg):
-    m, k = a.shape
-    n = b_KN.shape[1]
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _bi_matmul_kernel[grid](a, b_KN, c, c, m, n, k, a.stride(0), a.stride(1), b_KN.stride(0), b_KN.stride(1),
-                            c.stride(0), c.stride(1), HAS_BIAS=False, IEEE=False, UPCAST=INTERPRET, K_CHUNK=0, **cfg)
-    return c
-
-
-def wall_ms(fn) -> float:
-    """Median wall-clock ms of three calls (the CPU interpreter; do_bench needs a GPU)."""
-    import time
-
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[1]
+def keeps_bits(run, ref: torch.Tensor, entry: dict, differing: list) -> bool:
+    """Whether run() launches and gives ref's bits; what it did instead goes to `differing` as entry +
+    the error or the fraction of elements whose bits differ."""
+    try:
+        out = run()
+    except Exception as e:  # out of shared memory, an older Triton, ...: not a candidate here
+        differing.append(dict(entry, error=f"{type(e).__name__}: {str(e)[:120]}"))
+        return False
+    if torch.equal(out.view(torch.int16), ref.view(torch.int16)):
+        return True
+    differing.append(dict(entry, frac_bits_differ=(out.view(torch.int16) != ref.view(torch.int16)).sum().item()
+                          / out.numel()))
+    return False
 
 
 def main() -> int:
-    import triton.testing
-
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
     p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b,qwen3-moe-small")
@@ -194,7 +186,7 @@ def main() -> int:
         return 0
     dt, dev = torch.bfloat16, "cpu" if a.tiny else "cuda"
     pinned = CONFIGS[dt]
-    timeit = wall_ms if a.tiny else lambda fn: triton.testing.do_bench(fn, warmup=3, rep=10, return_mode="median")
+    timeit = wall_ms if a.tiny else lambda fn: bench(fn, warmup=3, rep=10)
     candidates, tma_candidates = (CANDIDATES[:2], TMA_CANDIDATES[:1]) if a.tiny else (CANDIDATES, TMA_CANDIDATES)
     m_sizes = (1, 17, 256) if a.tiny else tuple(map(int, a.m.split(",")))
     rows, differing = [], []
@@ -205,41 +197,19 @@ def main() -> int:
             if m * n > 2**32:
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
-            ref = launch(x, w.t(), torch.empty(m, n, device=dev, dtype=dt), pinned)
+            ref = bi_matmul(x, w.t(), cfg=pinned)
             t_cublas = timeit(lambda: F.linear(x, w))
-            buf = torch.empty_like(ref)
-            t_pinned = timeit(lambda: launch(x, w.t(), buf, pinned))
-            times = {}  # cfg_key -> ms, for the candidates that kept the pinned bits
-            for bm, bn, bk, warps, stages in candidates:
-                cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                try:
-                    out = launch(x, w.t(), torch.empty(m, n, device=dev, dtype=dt), cfg)
-                except Exception as e:  # out of shared memory etc.: not a candidate here
-                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
-                                      "error": f"{type(e).__name__}: {str(e)[:120]}"})
-                    continue
-                same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
-                if not same:
-                    bad = (out.view(torch.int16) != ref.view(torch.int16)).sum().item() / out.numel()
-                    differing.append({"shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages],
-                                      "frac_bits_differ": bad})
-                    continue
-                times[cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: launch(x, w.t(), out, cfg))
-            for bm, bn, bk, warps, stages in tma_candidates if m >= 256 else ():
-                cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-                entry = {"kernel": "tma", "shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages]}
-                try:
-                    out = bi_matmul_tma(x, w, cfg=cfg)
-                except Exception as e:  # an older Triton, out of shared memory, ...
-                    differing.append(dict(entry, error=f"{type(e).__name__}: {str(e)[:120]}"))
-                    continue
-                if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
-                    bad = (out.view(torch.int16) != ref.view(torch.int16)).sum().item() / out.numel()
-                    differing.append(dict(entry, frac_bits_differ=bad))
-                    continue
-                times["tma:" + cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: bi_matmul_tma(x, w, cfg=cfg))
-            tma = {key: t for key, t in times.items() if key.startswith("tma:")}
-            times = {key: t for key, t in times.items() if not key.startswith("tma:")}
+            t_pinned = timeit(lambda: bi_matmul(x, w.t(), cfg=pinned))
+            times, tma = {}, {}  # cfg_key -> ms, for the candidates that kept the pinned bits
+            kernels = [(candidates, lambda cfg: bi_matmul(x, w.t(), cfg=cfg), {}, times, ""),
+                       (tma_candidates if m >= 256 else (), lambda cfg: bi_matmul_tma(x, w, cfg=cfg), {"kernel": "tma"},
+                        tma, "tma:")]
+            for cands, kernel, tag, keyed, prefix in kernels:
+                for bm, bn, bk, warps, stages in cands:
+                    cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                    entry = {**tag, "shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages]}
+                    if keeps_bits(lambda: kernel(cfg), ref, entry, differing):
+                        keyed[prefix + cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: kernel(cfg))
             best = min(times, key=times.get) if times else None
             row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
                    "pinned_ratio": t_cublas / t_pinned,
@@ -250,7 +220,7 @@ def main() -> int:
             print(f"{label:<22} m={m:<6} n={n:<6} k={k:<5} cublas {t_cublas:8.4f} ms  pinned {row['pinned_ratio']:.2f}x"
                   f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}"
                   + (f"  tma {row['tma_best_ratio']:.2f}x" if tma else ""), flush=True)
-            del x, ref, buf
+            del x, ref
         del w
         torch.cuda.empty_cache()
         save(a.out, pinned, rows, differing)  # after every shape: a cut-off call keeps what ran

@@ -97,6 +97,16 @@ def bench(fn, warmup=5, rep=20) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def wall_ms(fn, reps: int = 3) -> float:
+    """Median wall-clock milliseconds of fn() (the CPU interpreter's runs of the probes; `bench` needs a GPU)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[reps // 2]
+
+
 def write(name: str, payload) -> str:
     out = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)

@@ -163,7 +163,7 @@ def check_matmul_tma(small):
     tiling: every output bitwise equal, bias included, at odd M, N and K (the TMA unit's zero fill past
     the edges) and with fewer programs than tiles (each program walks several); and a matmul (relative
     error against fp64)."""
-    from lockstep_kernels.gpu.matmul import CONFIGS
+    from lockstep_kernels.gpu.matmul import CONFIGS, bi_matmul
     from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma
 
     if DEV == "cuda" and torch.cuda.get_device_capability()[0] < 9:
@@ -179,7 +179,7 @@ def check_matmul_tma(small):
             x, w, b = randn(m, k, dtype=dtype, seed=1), randn(n, k, dtype=dtype, seed=2) * k ** -0.5, randn(n, dtype=dtype, seed=3)
             for cfg in tilings:
                 cfg = dict(CONFIGS[dtype], **cfg)
-                ref = _pinned_with(cfg, x, w, b)
+                ref = bi_matmul(x, w.t(), b, cfg=cfg)  # matmul.py's kernel with this tiling
                 for sms in ((3, None) if small else (None, 7)):
                     y = bi_matmul_tma(x, w, b, cfg=cfg, num_sms=sms)
                     assert torch.equal(bits(y), bits(ref)), ("TMA bits differ", dtype, m, k, n, cfg, sms)
@@ -187,19 +187,6 @@ def check_matmul_tma(small):
             assert out[f"{dtype}-{m}x{k}x{n}"] < TOL[torch.bfloat16], out
             del x, w, b
     return out
-
-
-def _pinned_with(cfg, x, w, b):
-    """matmul.py's kernel with this tiling (the reference for kernels that must give its bits)."""
-    from lockstep_kernels.gpu.matmul import _bi_matmul_kernel
-
-    m, k = x.shape
-    n = w.shape[0]
-    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _bi_matmul_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, w.t(), c, b, m, n, k, x.stride(0), x.stride(1), w.t().stride(0), w.t().stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=True, IEEE=False, UPCAST=INTERPRETED, K_CHUNK=0, **cfg)
-    return c
 
 
 def check_grouped_matmul(small):

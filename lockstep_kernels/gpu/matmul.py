@@ -64,14 +64,27 @@ def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None, n: in
     return cfg
 
 
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def _capability(t: torch.Tensor) -> tuple[int, int] | None:
-    return _device_capability(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
-        if t.is_cuda else None
+    return _device_capability(_index(t)) if t.is_cuda else None
+
+
+def sm_count(t: torch.Tensor) -> int | None:
+    """The SMs of t's GPU (None off GPUs)."""
+    return _sm_count(_index(t)) if t.is_cuda else None
 
 
 @functools.cache
 def _device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
@@ -219,20 +232,17 @@ def k_chunk(dtype: torch.dtype, k: int, block_k: int | None = None) -> int:
     return chunk
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def split_over_programs(tiles: int, sms: int | None) -> bool:
+    """Whether a chunked reduction's chunks go to programs of their own (`_bi_matmul_split_kernel`): its
+    output tiles fill less than SPLIT_BELOW_SM_FRACTION of the SMs (sms None: the interpreter, by the
+    same rule at 132 SMs). Never changes a bit."""
+    return tiles < SPLIT_BELOW_SM_FRACTION * (sms or 132)
 
 
-def split_over_programs(tiles: int, chunk: int, sms: int | None) -> bool:
-    """Whether the chunks go to programs of their own (`_bi_matmul_split_kernel`): a chunked reduction
-    whose output tiles fill less than SPLIT_BELOW_SM_FRACTION of the SMs (sms None: the interpreter, by
-    the same rule at 132 SMs). Never changes a bit."""
-    return chunk > 0 and tiles < SPLIT_BELOW_SM_FRACTION * (sms or 132)
-
-
-def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (+ bias) with a's dtype's reduction order and the tiling for M (`tiling`). Output dtype = a's."""
+def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None = None, *,
+              cfg: dict | None = None) -> torch.Tensor:
+    """a @ b (+ bias) with a's dtype's reduction order and the tiling for M (`tiling`; cfg: this one, as
+    the probes and checks of other tilings launch it). Output dtype = a's."""
     assert a_MK.dim() == 2 and b_KN.dim() == 2 and a_MK.shape[1] == b_KN.shape[0], (a_MK.shape, b_KN.shape)
     assert a_MK.dtype == b_KN.dtype, "bi_matmul needs matching input dtypes"
     if a_MK.dtype not in CONFIGS:
@@ -242,12 +252,11 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | Non
     c = torch.empty((m, n), dtype=a_MK.dtype, device=a_MK.device)
     if m == 0 or n == 0:
         return c
-    cfg = tiling(m, a_MK.dtype, _capability(a_MK), n, k)
+    cfg = cfg or tiling(m, a_MK.dtype, _capability(a_MK), n, k)
     chunk = k_chunk(a_MK.dtype, k, cfg["BLOCK_K"])
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     ieee, bias = a_MK.dtype == torch.float32, bias_N if bias_N is not None else c
-    sms = _sm_count(a_MK.device.index or 0) if a_MK.is_cuda else None
-    if split_over_programs(tiles, chunk, sms):
+    if chunk and split_over_programs(tiles, sm_count(a_MK)):
         chunks = triton.cdiv(k, chunk)
         part = torch.empty((chunks, m, n), dtype=torch.float32, device=a_MK.device)
         launch = {name: v for name, v in cfg.items() if name != "GROUP_M"}

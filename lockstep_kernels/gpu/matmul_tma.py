@@ -19,13 +19,11 @@ Legend: M rows, K in-features, N out-features.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.matmul import INTERPRET, _store_tile
+from lockstep_kernels.gpu.matmul import INTERPRET, _store_tile, sm_count
 
 
 @triton.jit
@@ -53,11 +51,6 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm, s
         _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def bi_matmul_tma(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None = None, *, cfg: dict,
                   num_sms: int | None = None) -> torch.Tensor:
     """x @ w^T (+ bias) in x's dtype with tiling `cfg` (matmul.CONFIGS' keys). num_sms: programs
@@ -75,8 +68,7 @@ def bi_matmul_tma(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor |
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(x_MK, block_shape=[bm, bk])
     b_desc = TensorDescriptor.from_tensor(w_NK, block_shape=[bn, bk])
-    if num_sms is None:
-        num_sms = _sm_count(x_MK.device.index or 0) if x_MK.is_cuda else 4
+    num_sms = num_sms or sm_count(x_MK) or 4
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     _bi_matmul_tma_kernel[(min(num_sms, tiles),)](
         a_desc, b_desc, c, bias_N if bias_N is not None else c, m, n, k, c.stride(0), c.stride(1),

@@ -140,8 +140,10 @@ def attention_grid(b: int, h: int, q: int, block_m: int = QUERY_ROWS) -> tuple[i
 # only: the key blocks (key_block) fix each query's reduction, and a query's row in its tile does not
 # matter to the GPU's MMAs (tests/triton_checks.py bi_decode compares 64-row decode tiles of GQA heads with
 # this kernel bitwise), so `bench/bi_attention_probe.py` may pick another one where it shows the same
-# bits and more speed (tests/triton_checks.py attention_configs checks them again).
-PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=2)
+# bits and more speed (tests/triton_checks.py attention_configs checks them again). Three stages: the
+# probe on an H100 (bench/results/h100/probes/bi_attention_probe.json) found 0 configurations with other
+# bits and s3 the fastest at every preset's 8k / 16k-token micro-batch, 0.41-0.45x -> 0.46-0.49x of flash.
+PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=3)
 
 
 def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:

@@ -47,7 +47,7 @@ CANDIDATES = [(bm, bn, 64, w, s) for bm, bn, w in TILES for s in (3, 4) if not (
 
 
 # The persistent TMA kernel (lockstep_kernels/gpu/matmul_tma.py) at the large-M tilings: same bits as the
-# pinned kernel, and faster than it? Timed under "tma:<cfg_key>"; not in tilings.py's tables (yet).
+# pinned kernel, and faster than it? Timed under "tma:<cfg_key>"; --propose weighs them with the others.
 TMA_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
                   (128, 128, 128, 8, 3)]
 
@@ -74,18 +74,40 @@ def cfg_key(bm: int, bn: int, bk: int, warps: int, stages: int) -> str:
     return f"{bm}x{bn}x{bk}/w{warps}/s{stages}"
 
 
-def cfg_of(key: str) -> tuple[int, int, int, int, int]:
-    """cfg_key's inverse: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def cfg_of(key: str) -> tuple:
+    """cfg_key's inverse: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), with "tma" appended for the
+    TMA kernel's keys ("tma:<cfg_key>"): a tilings.py row's tiling and kernel."""
+    kernel, _, key = key.rpartition(":")
     tile, warps, stages = key.split("/")
     bm, bn, bk = tile.split("x")
-    return int(bm), int(bn), int(bk), int(warps[1:]), int(stages[1:])
+    return (int(bm), int(bn), int(bk), int(warps[1:]), int(stages[1:])) + ((kernel,) if kernel else ())
+
+
+def timed(row: dict) -> dict[str, float]:
+    """A probe row's times (ms) of every candidate that kept the pinned bits there: matmul.py's kernel's
+    under cfg_key, the TMA kernel's under "tma:<cfg_key>"."""
+    return {**row["times_ms"], **(row.get("tma_ms") or {})}
 
 
 def eligible(probe: dict) -> set[str]:
-    """The candidates that gave the pinned bits at every shape and M of the probe (and launched there)."""
-    differ = {cfg_key(*d["cfg"]) for d in probe["differing"] if d.get("kernel", "pinned") == "pinned"}
-    keys = set.union(set(), *(set(r["times_ms"]) for r in probe["rows"]))
-    return {key for key in keys if not key.startswith("tma:")} - differ  # bit differences or failed launches
+    """The candidates (either kernel) that gave the pinned bits at every shape and M of the probe and
+    launched there."""
+    differ = {("tma:" if d.get("kernel") == "tma" else "") + cfg_key(*d["cfg"]) for d in probe["differing"]}
+    return set.union(set(), *(set(timed(r)) for r in probe["rows"])) - differ
+
+
+def merged(probes: list[dict]) -> dict:
+    """One probe from several (e.g. a run cut off after some shapes, then the rest): a later probe's rows
+    replace an earlier one's at the same weight shape; bit differences seen anywhere count everywhere."""
+    rows: dict[tuple[int, int], list[dict]] = {}
+    for probe in probes:
+        fresh: dict[tuple[int, int], list[dict]] = {}
+        for r in probe["rows"]:
+            fresh.setdefault((r["n"], r["k"]), []).append(r)
+        rows.update(fresh)
+    return {"gpu": " + ".join(sorted({p["gpu"] for p in probes})), "pinned": probes[-1]["pinned"],
+            "rows": [r for shape_rows in rows.values() for r in shape_rows],
+            "differing": [d for p in probes for d in p["differing"]]}
 
 
 def collapse(rows: list[tuple], pinned: dict) -> list[tuple]:
@@ -109,15 +131,15 @@ def propose_tilings(probe: dict) -> list[tuple[int, int, int, int, int, int]]:
     (ascending), among the candidates that gave the pinned bits at every shape and M of the probe and
     ran at every shape of that M, the one with the best geometric-mean speed-up over cuBLAS; an M takes
     the choice of the smallest measured M at or above it, and past the largest one the pinned tiling.
-    Rows: (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    Rows: (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, "tma"])."""
     import math
 
     ok = eligible(probe)
     out = []
     for m in sorted({r["m"] for r in probe["rows"]}):
         rows = [r for r in probe["rows"] if r["m"] == m]
-        scores = {key: sum(math.log(r["cublas_ms"] / r["times_ms"][key]) for r in rows)
-                  for key in set.intersection(*(set(r["times_ms"]) for r in rows)) & ok}
+        scores = {key: sum(math.log(r["cublas_ms"] / timed(r)[key]) for r in rows)
+                  for key in set.intersection(*(set(timed(r)) for r in rows)) & ok}
         if scores:
             out.append((m, *cfg_of(max(scores, key=scores.get))))
     return collapse(out, probe["pinned"])
@@ -131,7 +153,7 @@ def propose_shape_tilings(probe: dict) -> dict[tuple[int, int], list[tuple[int, 
     for n, k in sorted({(r["n"], r["k"]) for r in probe["rows"]}):
         rows = []
         for r in sorted((r for r in probe["rows"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"]):
-            times = {key: t for key, t in r["times_ms"].items() if key in ok}
+            times = {key: t for key, t in timed(r).items() if key in ok}
             if times:
                 rows.append((r["m"], *cfg_of(min(times, key=times.get))))
         if rows := collapse(rows, probe["pinned"]):
@@ -166,16 +188,20 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "bench/results")
     p.add_argument("--presets", default="qwen3-1.7b,qwen3-4b,qwen3-moe-small")
     p.add_argument("--m", default=",".join(map(str, M_SIZES)))
-    p.add_argument("--propose", metavar="PROBE_JSON", help="print the tilings.py tables a probe's results give, and exit")
+    p.add_argument("--propose", metavar="PROBE_JSON", nargs="+", help="print the tilings.py tables a probe's results give"
+                   " (several: a later one's shapes replace an earlier one's), and exit")
     p.add_argument("--tiny", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1): one small shape, a few"
                    " candidates; checks the script runs (the interpreter's bits are not the GPU's)")
     a = p.parse_args()
     if a.tiny and not INTERPRET:
         p.error("--tiny runs on the CPU interpreter: set TRITON_INTERPRET=1")
     if a.propose:
-        with open(a.propose) as f:
-            probe = json.load(f)
-        print(f"# {probe['gpu']}: rows (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)")
+        probes = []
+        for path in a.propose:
+            with open(path) as f:
+                probes.append(json.load(f))
+        probe = merged(probes)
+        print(f"# {probe['gpu']}: rows (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel])")
         print("# for lockstep_kernels/gpu/tilings.py TILINGS (every shape):")
         print(propose_tilings(probe))
         print("# for SHAPE_TILINGS ((N, K): rows):")

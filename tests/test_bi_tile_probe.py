@@ -13,15 +13,17 @@ from conftest import REPO
 pytest.importorskip("triton")
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-from bi_tile_probe import cfg_key, propose_shape_tilings, propose_tilings  # noqa: E402
+from bi_tile_probe import cfg_key, cfg_of, merged, propose_shape_tilings, propose_tilings  # noqa: E402
 
 from lockstep_kernels.gpu import tilings  # noqa: E402
 
 PINNED = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def row(m, cublas, n=64, k=64, **times):
-    return {"m": m, "n": n, "k": k, "cublas_ms": cublas, "times_ms": {cfg_key(*map(int, k[1:].split("_"))): t for k, t in times.items()}}
+def row(m, cublas, n=64, k=64, tma=None, **times):
+    keyed = {cfg_key(*map(int, key[1:].split("_"))): t for key, t in times.items()}
+    return {"m": m, "n": n, "k": k, "cublas_ms": cublas, "times_ms": keyed,
+            "tma_ms": {"tma:" + cfg_key(*cfg): t for cfg, t in (tma or {}).items()}}
 
 
 def test_each_m_takes_the_fastest_tiling_that_kept_the_bits_at_every_shape():
@@ -99,3 +101,42 @@ def test_the_probe_runs_end_to_end_on_the_interpreter(tmp_path):
     proposal = subprocess.run([sys.executable, "bench/bi_tile_probe.py", "--propose", str(tmp_path / "bi_tile_probe.json")],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proposal.returncode == 0 and "SHAPE_TILINGS" in proposal.stdout, proposal.stderr[-2000:]
+
+
+def test_the_tma_kernel_takes_a_row_where_it_kept_the_bits_and_was_fastest():
+    probe = {"gpu": "H100", "pinned": PINNED, "differing": [
+        {"kernel": "tma", "cfg": [128, 128, 64, 8, 4], "frac_bits_differ": 0.2},  # fastest, other bits: never
+    ], "rows": [
+        row(256, 1.0, n=4096, k=2048, c64_64_64_4_4=1.5, tma={(128, 256, 64, 8, 3): 2.0}),  # tiles kernel wins
+        row(2048, 1.0, n=4096, k=2048, c128_128_64_8_3=1.4,
+            tma={(128, 256, 64, 8, 3): 1.1, (128, 128, 64, 8, 4): 0.9}),  # TMA at 128x256 (128x128/s4 differed)
+        row(16384, 1.0, n=4096, k=2048, c128_128_64_8_3=1.3, tma={(128, 256, 64, 8, 3): 1.0}),
+    ]}
+    assert cfg_of("tma:128x256x64/w8/s3") == (128, 256, 64, 8, 3, "tma")
+    assert propose_shape_tilings(probe) == {(4096, 2048): [(256, 64, 64, 64, 4, 4), (16384, 128, 256, 64, 8, 3, "tma")]}
+    assert propose_tilings(probe) == [(256, 64, 64, 64, 4, 4), (16384, 128, 256, 64, 8, 3, "tma")]
+
+
+def test_a_later_probe_replaces_an_earlier_ones_shapes_and_its_bit_differences_count_everywhere():
+    old = {"gpu": "H100", "pinned": PINNED, "differing": [{"cfg": [32, 64, 64, 4, 3], "frac_bits_differ": 0.1}],
+           "rows": [row(1, 1.0, n=128, k=256, c16_64_64_4_3=2.0), row(1, 1.0, n=512, k=256, c16_64_64_4_3=2.0)]}
+    new = {"gpu": "H100", "pinned": PINNED, "differing": [],  # a cut-off run: only the first shape
+           "rows": [row(1, 1.0, n=128, k=256, c16_64_64_4_3=3.0, c32_64_64_4_3=1.0)]}
+    probe = merged([old, new])
+    assert sorted((r["n"], r["times_ms"].get("16x64x64/w4/s3")) for r in probe["rows"]) == [(128, 3.0), (512, 2.0)]
+    # 32x64 is fastest in the new probe, but differed in the old one: 16x64 at both shapes
+    assert propose_shape_tilings(probe) == {(128, 256): [(1, 16, 64, 64, 4, 3)], (512, 256): [(1, 16, 64, 64, 4, 3)]}
+
+
+def test_a_row_naming_the_tma_kernel_reaches_the_launch_config():
+    import torch
+
+    from lockstep_kernels.gpu.matmul import tiling
+
+    bf16, hopper = torch.bfloat16, tilings.HOPPER
+    tma_rows = [(shape, r) for shape, rows in tilings.SHAPE_TILINGS[hopper][bf16].items() for r in rows if r[6:] == ("tma",)]
+    assert tma_rows, "the H100 probe put the TMA kernel in the tables"
+    (n, k), r = tma_rows[0]
+    cfg = tiling(r[0], bf16, hopper, n, k)
+    assert cfg["kernel"] == "tma" and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]) == r[1:4]
+    assert "kernel" not in tiling(1, bf16, None, n, k), "no table (the interpreter): matmul.py's kernel"

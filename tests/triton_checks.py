@@ -93,11 +93,12 @@ def check_matmul_tilings(small):
     shapes = [(40, 24)] if small else [(2048, 4096), (2560, 19456), (9728, 2560), (2048, 151936), (1000, 3000)]
     ms = (1, 3, 16, 17, 64, 100) if small else (1, 3, 8, 16, 17, 33, 64, 100, 256, 1000, 2048)
     full_m = 128 if small else 4096
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "kernel")
     out = {"table_entries": len(TILINGS.get(cap, {}).get(torch.bfloat16, [])),
            "shape_tables": len(SHAPE_TILINGS.get(cap, {}).get(torch.bfloat16, {}))}
     for k, n in shapes:
-        out[f"tilings {k}x{n}"] = {str(m): [tiling(m, torch.bfloat16, cap, n, k)[key] for key in keys] for m in ms}
+        out[f"tilings {k}x{n}"] = {str(m): [tiling(m, torch.bfloat16, cap, n, k).get(key, "tiles") for key in keys]
+                                   for m in ms}
         x, w = randn(full_m, k, dtype=torch.bfloat16, seed=1), randn(n, k, dtype=torch.bfloat16, seed=2) * k ** -0.5
         y = bi_linear(x, w)
         g = torch.Generator(device="cpu").manual_seed(k + n)
@@ -165,12 +166,14 @@ def check_matmul_split(small):
 
 
 def check_matmul_tma(small):
-    """The persistent TMA matmul (matmul_tma.py, not in use yet) against matmul.py's kernel with the same
-    tiling: every output bitwise equal, bias included, at odd M, N and K (the TMA unit's zero fill past
-    the edges) and with fewer programs than tiles (each program walks several); and a matmul (relative
-    error against fp64)."""
+    """The persistent TMA matmul (matmul_tma.py) against matmul.py's kernel with the same tiling: every
+    output bitwise equal, bias included, at odd M, N and K (the TMA unit's zero fill past the edges) and
+    with fewer programs than tiles (each program walks several); and a matmul (relative error against
+    fp64). bi_matmul with a tiling naming the "tma" kernel (a tilings.py row) gives the same bits whether
+    it launches the TMA kernel (operands TMA can describe) or falls back to matmul.py's (a view 2 bytes
+    off 16-byte alignment; the interpreter)."""
     from lockstep_kernels.gpu.matmul import CONFIGS, bi_matmul
-    from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma
+    from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma, tma_ready
 
     if DEV == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         return {"skipped": "TMA needs compute capability 9.0+"}
@@ -194,6 +197,12 @@ def check_matmul_tma(small):
                 for sms in ((3, None) if small else (None, 7)):
                     y = bi_matmul_tma(x, w, b, cfg=cfg, num_sms=sms)
                     assert torch.equal(bits(y), bits(ref)), ("TMA bits differ", dtype, m, k, n, cfg, sms)
+                tma_cfg = dict(cfg, kernel="tma")
+                assert tma_ready(x, w) == (DEV == "cuda"), "contiguous GPU operands are TMA-ready"
+                assert torch.equal(bits(bi_matmul(x, w.t(), b, cfg=tma_cfg)), bits(ref)), ("tma row", dtype, m, k, n)
+                wide = torch.cat([x.new_zeros(m, 1), x], dim=1)[:, 1:]  # x's values, rows 2 bytes off alignment
+                assert not tma_ready(wide, w)
+                assert torch.equal(bits(bi_matmul(wide, w.t(), b, cfg=tma_cfg)), bits(ref)), ("fallback", dtype, m, k, n)
             out[f"{dtype}-{m}x{k}x{n}"] = rel(y, F.linear(x.double(), w.double(), b.double()))
             assert out[f"{dtype}-{m}x{k}x{n}"] < TOL[torch.bfloat16], out
             del x, w, b

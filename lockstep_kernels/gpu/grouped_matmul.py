@@ -10,7 +10,7 @@ Bits: an expert's rows are computed exactly as `bi_matmul(x_rows_of_e, w[e].t())
 (matmul.py): CONFIGS' tiling, whatever tilings.py gives bi_matmul for an expert's row count
 (a table row holds only tilings bench/bi_tile_probe.py showed to give CONFIGS' bits at the experts'
 shapes too), the same [BLOCK_M, BLOCK_N] tiles starting at the expert's first
-row, computed and stored by matmul.py's own tile routines (`_tile_acc`, `_store_tile`: rows past the expert's last read as zero, K
+row, computed and stored by matmul.py's own tile routines (`_tile_acc`, tile.py's `store_tile`: rows past the expert's last read as zero, K
 reduced from 0 upward in BLOCK_K steps into an fp32 accumulator, split at matmul.K_CHUNK as bi_matmul splits it), the same IEEE / UPCAST flags. The true on-policy trainer computes
 experts with that per-expert call, and the engine's logprobs must equal the trainer's bit for bit.
 
@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, _store_tile, _tile_acc, k_chunk
+from lockstep_kernels.gpu.matmul import CONFIGS, _tile_acc, k_chunk
 from lockstep_kernels.gpu.offsets import offset64
+from lockstep_kernels.gpu.tile import INTERPRET, store_tile
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _grouped_matmul_kernel(a_ptr, b_ptr, c_ptr, offsets_ptr, N, K, E,
     start_n = pid_n * BLOCK_N
     acc = _tile_acc(a_ptr, b_ptr + offset64(e, stride_be), start_m, start_n, row_end, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK)
-    _store_tile(c_ptr, c_ptr, acc, start_m, start_n, row_end, N, stride_cm, stride_cn, False, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, c_ptr, acc, start_m, start_n, row_end, N, stride_cm, stride_cn, False, BLOCK_M, BLOCK_N)
 
 
 def max_tiles(rows: int, experts: int, block_m: int) -> int:

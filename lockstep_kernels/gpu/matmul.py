@@ -19,14 +19,14 @@ most SMs idle). Both give a row the same bits.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma, tma_ready
 from lockstep_kernels.gpu.offsets import offset64
+from lockstep_kernels.gpu.tile import INTERPRET, sm_count, store_tile
+from lockstep_kernels.gpu.tile import capability as gpu_capability
 from lockstep_kernels.gpu.tilings import pick
 
 # Pinned tile configurations, by input dtype: the reduction (K from 0 upward in BLOCK_K chunks into one fp32
@@ -36,7 +36,6 @@ CONFIGS = {
     torch.float16: dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # Columns of K per chunk of the fixed split-K, by input dtype (a multiple of BLOCK_K); None: one chunk (the
@@ -59,32 +58,11 @@ def tiling(m: int, dtype: torch.dtype, capability: tuple[int, int] | None, n: in
     cfg = dict(CONFIGS[dtype])
     row = pick(m, n, k, dtype, capability)
     if row is not None:
-        _, bm, bn, bk, warps, stages = row
+        _, bm, bn, bk, warps, stages, *kernel = row
         cfg.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        if kernel:
+            cfg["kernel"] = kernel[0]
     return cfg
-
-
-def _index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
-def _capability(t: torch.Tensor) -> tuple[int, int] | None:
-    return _device_capability(_index(t)) if t.is_cuda else None
-
-
-def sm_count(t: torch.Tensor) -> int | None:
-    """The SMs of t's GPU (None off GPUs)."""
-    return _sm_count(_index(t)) if t.is_cuda else None
-
-
-@functools.cache
-def _device_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @triton.jit
@@ -162,23 +140,7 @@ def _bi_matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     start_n = pid_n * BLOCK_N
     acc = _tile_acc(a_ptr, b_ptr, start_m, start_n, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                     IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, K_CHUNK)
-    _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc (+ bias) rounded once to C's dtype, rows < M and columns < N."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    offs_m = start_m + rows
-    offs_n = start_n + cols
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        acc += bias[None, :]
-    c_ptrs = (c_ptr + offset64(start_m, stride_cm) + offset64(start_n, stride_cn)
-              + rows[:, None] * stride_cm + cols[None, :] * stride_cn)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -219,7 +181,7 @@ def _sum_chunks_kernel(part_ptr, c_ptr, bias_ptr, M, N, CHUNKS, stride_pc, strid
     for _ in range(0, CHUNKS):
         acc += tl.load(ptrs, mask=mask, other=0.0)
         ptrs += stride_pc  # pointer arithmetic: 64-bit
-    _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+    store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def k_chunk(dtype: torch.dtype, k: int, block_k: int | None = None) -> int:
@@ -242,7 +204,9 @@ def split_over_programs(tiles: int, sms: int | None) -> bool:
 def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None = None, *,
               cfg: dict | None = None) -> torch.Tensor:
     """a @ b (+ bias) with a's dtype's reduction order and the tiling for M (`tiling`; cfg: this one, as
-    the probes and checks of other tilings launch it). Output dtype = a's."""
+    the probes and checks of other tilings launch it). Output dtype = a's. A tiling whose row names the
+    "tma" kernel runs as matmul_tma.py's persistent kernel where its operands allow (`tma_ready`), else
+    here, with the same bits (tilings.py says how that is shown)."""
     assert a_MK.dim() == 2 and b_KN.dim() == 2 and a_MK.shape[1] == b_KN.shape[0], (a_MK.shape, b_KN.shape)
     assert a_MK.dtype == b_KN.dtype, "bi_matmul needs matching input dtypes"
     if a_MK.dtype not in CONFIGS:
@@ -252,8 +216,11 @@ def bi_matmul(a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | Non
     c = torch.empty((m, n), dtype=a_MK.dtype, device=a_MK.device)
     if m == 0 or n == 0:
         return c
-    cfg = cfg or tiling(m, a_MK.dtype, _capability(a_MK), n, k)
+    cfg = cfg or tiling(m, a_MK.dtype, gpu_capability(a_MK), n, k)
     chunk = k_chunk(a_MK.dtype, k, cfg["BLOCK_K"])
+    if cfg.get("kernel") == "tma" and not chunk and tma_ready(a_MK, b_KN.t(), bias_N):
+        return bi_matmul_tma(a_MK, b_KN.t(), bias_N, cfg=cfg)
+    cfg = {name: v for name, v in cfg.items() if name != "kernel"}  # operands TMA cannot describe: the same bits here
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     ieee, bias = a_MK.dtype == torch.float32, bias_N if bias_N is not None else c
     if chunk and split_over_programs(tiles, sm_count(a_MK)):

@@ -1,14 +1,15 @@
 """The batch-invariant matmul as a persistent kernel with TMA loads (Hopper and later), y = x @ w^T (+ b).
 
-Layers: `_bi_matmul_tma_kernel` (the Triton kernel), `bi_matmul_tma` (host launcher: checks, the
-tensor descriptors, grid). Not wired into `lockstep_kernels.ops` yet: `bench/bi_tile_probe.py` runs it
-beside matmul.py's kernel at every probed shape and M, bitwise and timed, and it takes a place in
-tilings.py only where that shows the same bits and more speed.
+Layers: `_bi_matmul_tma_kernel` (the Triton kernel), `tma_ready` (whether operands can be described),
+`bi_matmul_tma` (host launcher: checks, the tensor descriptors, grid). matmul.bi_matmul launches it for
+the tilings.py rows that name it: `bench/bi_tile_probe.py` runs it beside matmul.py's kernel at every
+probed shape and M, bitwise and timed, and a row names it only where that showed the same bits and
+more speed.
 
 Why it may keep the bits: a tile is reduced exactly as matmul.py's `_chunk_acc` reduces it (one tl.dot
 per BLOCK_K chunk of K from 0 upward into one fp32 accumulator; what lies past M, N or K reads as zero,
 here from the TMA unit's out-of-bounds fill instead of masked loads), rounded once by the same epilogue
-(`_store_tile`). What changes is who loads the operands (the TMA unit, asynchronously, into shared
+(`store_tile`). What changes is who loads the operands (the TMA unit, asynchronously, into shared
 memory) and that one program per SM walks the tiles (tile t, t + SMs, ...), so the next tile's loads
 overlap this tile's epilogue. Whether the MMA sequence, and so every bit, is the same is measured.
 
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lockstep_kernels.gpu.matmul import INTERPRET, _store_tile, sm_count
+from lockstep_kernels.gpu.tile import INTERPRET, sm_count, store_tile
 
 
 @triton.jit
@@ -48,7 +49,18 @@ def _bi_matmul_tma_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm, s
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
-        _store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+        store_tile(c_ptr, bias_ptr, acc, start_m, start_n, M, N, stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+def tma_ready(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None = None) -> bool:
+    """Whether TMA descriptors can describe x and w: bf16/fp16 on a GPU, unit stride along K, rows and base
+    addresses 16-byte aligned (what the engine's and trainer's linear layers hold; a sliced or transposed
+    view may not be)."""
+    def ok(t: torch.Tensor) -> bool:
+        size = t.element_size()
+        return t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+    return (x_MK.is_cuda and x_MK.dtype == w_NK.dtype and x_MK.dtype in (torch.bfloat16, torch.float16)
+            and ok(x_MK) and ok(w_NK) and (bias_N is None or bias_N.is_contiguous()))
 
 
 def bi_matmul_tma(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None = None, *, cfg: dict,

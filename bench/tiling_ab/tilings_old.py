@@ -1,0 +1,68 @@
+# tilings.py as of dcd4ec0 (before the TMA wiring), kept for bench/tiling_ab/ab.sh; not imported.
+"""Which output tiling the batch-invariant matmul (matmul.py) takes, per GPU, dtype, weight shape and M.
+
+A tiling is (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). It decides which program computes an
+output element and how many k16 MMA steps one loop iteration issues, not the order in which a row's
+products are summed (K from 0 upward into one fp32 accumulator), so on a GPU whose MMA instructions
+round alike it gives a row the bits of matmul.CONFIGS' pinned tiling. Whether they do is a fact of the GPU,
+not of the argument (Hopper's 16-row tiles select mma.sync, 64-row ones wgmma): a tiling enters a table
+here only when `bench/bi_tile_probe.py` has shown on such a GPU that it gives the pinned bits at every
+shape and M it probed, and `tests/triton_checks.py matmul_tilings` checks the table again. So the
+choice may depend on M (small tiles at decode sizes, where 128 x 128 tiles leave most SMs idle) and a
+row's bits still never do. A GPU not listed: the pinned tiling for every M.
+
+Rows: (largest M, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), ascending; the first row whose
+largest M an M is not past wins; M past the last row takes the pinned tiling. SHAPE_TILINGS (per weight
+shape (N, K), from the probe's fastest tiling at that shape) comes first, TILINGS (one table for every
+shape, the best geometric mean over the probed shapes) for shapes it does not list.
+Regenerate both with `python bench/bi_tile_probe.py --out DIR` on the GPU, then `--propose DIR/bi_tile_probe.json`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Row = tuple[int, int, int, int, int, int]
+
+HOPPER = (9, 0)
+
+# From `bench/bi_tile_probe.py --propose` on an H100 (2026-12-05, bench/results/h100/bi_tile_probe.json):
+# 20 weight shapes of the Qwen3-1.7B, 4B and MoE-small presets x M = 1..16384 x 23 tilings (BLOCK_K 32,
+# 64 and 128 among them), not one differing in a bit. H200s are the same compute capability.
+TILINGS: dict[tuple[int, int], dict[torch.dtype, list[Row]]] = {
+    HOPPER: {torch.bfloat16: [(64, 16, 64, 128, 4, 3), (256, 64, 64, 64, 4, 4)]},
+}
+
+SHAPE_TILINGS: dict[tuple[int, int], dict[torch.dtype, dict[tuple[int, int], list[Row]]]] = {
+    HOPPER: {torch.bfloat16: {
+        (512, 2048): [(256, 16, 64, 128, 4, 3), (2048, 64, 128, 128, 4, 3)],
+        (768, 2048): [(256, 16, 64, 128, 4, 3), (2048, 64, 64, 64, 4, 4)],
+        (1024, 2048): [(256, 16, 64, 128, 4, 3), (2048, 128, 128, 64, 8, 4)],
+        (1024, 2560): [(256, 16, 64, 128, 4, 3), (2048, 128, 128, 128, 8, 3)],
+        (2048, 768): [(1, 16, 64, 64, 4, 4), (16, 16, 64, 128, 4, 3), (64, 16, 64, 64, 4, 4), (256, 64, 64, 64, 4, 4)],
+        (2048, 2048): [(64, 16, 64, 128, 4, 3), (256, 64, 64, 64, 4, 4)],
+        (2048, 4096): [(64, 16, 64, 128, 4, 3), (256, 64, 128, 128, 4, 3)],
+        (2048, 6144): [(64, 16, 64, 128, 4, 3), (256, 64, 128, 128, 4, 3)],
+        (2560, 4096): [(64, 16, 64, 128, 4, 3), (256, 64, 128, 128, 4, 3)],
+        (2560, 9728): [(64, 16, 64, 128, 4, 3), (256, 64, 128, 128, 4, 3)],
+        (4096, 2048): [(64, 16, 64, 128, 4, 3), (256, 64, 128, 128, 4, 3)],
+        (4096, 2560): [(64, 16, 64, 128, 4, 3), (256, 64, 128, 128, 4, 3)],
+        (5120, 2048): [(64, 16, 64, 128, 4, 3), (256, 64, 64, 64, 4, 4)],
+        (6144, 2048): [(64, 16, 64, 128, 4, 3), (256, 64, 64, 64, 4, 4)],
+        (6144, 2560): [(64, 16, 64, 128, 4, 3), (256, 64, 64, 64, 4, 4)],
+        (9728, 2560): [(16, 16, 64, 128, 4, 3), (64, 64, 128, 128, 4, 3), (256, 64, 128, 64, 4, 3)],
+        (12288, 2048): [(16, 16, 64, 128, 4, 3), (64, 64, 128, 128, 4, 3), (256, 64, 128, 64, 4, 3)],
+        (19456, 2560): [(1, 16, 64, 128, 4, 3), (16, 16, 64, 64, 4, 4), (64, 64, 64, 64, 4, 3)],
+        (151936, 2048): [(1, 16, 64, 128, 4, 3), (16, 16, 64, 64, 4, 3), (64, 64, 128, 128, 4, 3)],
+        (151936, 2560): [(16, 16, 64, 128, 4, 3), (64, 64, 128, 128, 4, 3), (2048, 128, 128, 64, 8, 3),
+                         (16384, 128, 256, 64, 8, 3)],
+    }},
+}
+
+
+def pick(m: int, n: int | None, k: int | None, dtype: torch.dtype, capability: tuple[int, int] | None) -> Row | None:
+    """The table row an M-row product with an [N, K] weight takes on this GPU, or None (the pinned tiling)."""
+    rows = SHAPE_TILINGS.get(capability, {}).get(dtype, {}).get((n, k))
+    if rows is None:
+        rows = TILINGS.get(capability, {}).get(dtype, [])
+    return next((r for r in rows if m <= r[0]), None)

@@ -35,7 +35,10 @@ from common import bench, wall_ms  # noqa: E402
 from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, bi_matmul  # noqa: E402
 from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma  # noqa: E402
 
-M_SIZES = (1, 16, 64, 256, 2048, 16384)
+# 128: the engine's decode batch at 128 running requests (a row covers the Ms up to the next probed one, so
+# without it decode at 128 took the tiling measured fastest at 256).
+M_SIZES = (1, 16, 64, 128, 256, 2048, 16384)
+TMA_MIN_M = 64  # the TMA kernel is timed from here up (2026-12-06: 0.42-0.81x of cuBLAS at M <= 256)
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). BLOCK_K 64 is the pinned one; the few with 32 or
 # 128 ask whether a tl.dot over a longer chunk is the same chain of k16 MMAs into the accumulator.
 # Narrow tiles (BLOCK_N 32) put more programs on the SMs at decode sizes, where N / 64 programs leave most
@@ -228,7 +231,7 @@ def main() -> int:
             t_pinned = timeit(lambda: bi_matmul(x, w.t(), cfg=pinned))
             times, tma = {}, {}  # cfg_key -> ms, for the candidates that kept the pinned bits
             kernels = [(candidates, lambda cfg: bi_matmul(x, w.t(), cfg=cfg), {}, times, ""),
-                       (tma_candidates if m >= 256 else (), lambda cfg: bi_matmul_tma(x, w, cfg=cfg), {"kernel": "tma"},
+                       (tma_candidates if m >= TMA_MIN_M else (), lambda cfg: bi_matmul_tma(x, w, cfg=cfg), {"kernel": "tma"},
                         tma, "tma:")]
             for cands, kernel, tag, keyed, prefix in kernels:
                 for bm, bn, bk, warps, stages in cands:

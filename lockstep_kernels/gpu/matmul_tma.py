@@ -82,9 +82,13 @@ def bi_matmul_tma(x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor |
     b_desc = TensorDescriptor.from_tensor(w_NK, block_shape=[bn, bk])
     num_sms = num_sms or sm_count(x_MK) or 4
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    # NUM_SMS (a compile-time constant: the tile stride) is the GPU's SM count whatever M is; with fewer
+    # tiles than SMs, fewer programs start and each takes one tile. Passing min(SMs, tiles) there instead
+    # compiled the kernel anew for every M whose tile count is below the SM count (each new prefill or
+    # micro-batch length: seconds of compiles inside a run, none of them in a probe at fixed M).
     _bi_matmul_tma_kernel[(min(num_sms, tiles),)](
         a_desc, b_desc, c, bias_N if bias_N is not None else c, m, n, k, c.stride(0), c.stride(1),
         HAS_BIAS=bias_N is not None, UPCAST=INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 8),
-        NUM_SMS=min(num_sms, tiles), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        NUM_SMS=num_sms, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return c

@@ -1,9 +1,10 @@
 # A/B of tilings.py tables in true on-policy mode at 1.7B, one GPU call (~6 min): the current table, the
-# table before the TMA wiring (95d2f68^), and the current one with TMA rows run as matmul.py tiles; then
+# table before the TMA wiring (95d2f68^), and the current one with TMA rows run as matmul.py tiles (made here from it); then
 # kernels_bench at 1.7B. Run from the repository root on the GPU: OUT=dir bash bench/tiling_ab/ab.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 T=lockstep_kernels/gpu/tilings.py; cp $T bench/tiling_ab/tilings_new.py
+sed 's/, "tma")/)/g' $T > bench/tiling_ab/tilings_notma.py  # the TMA rows as matmul.py tiles
 S="--sizes 1.7b --steps 5 --set train.recompute_activations=true"
 run() { # variant mode
   mkdir -p /tmp/ab_$1/ckpt; [ -e /tmp/ab_$1/ckpt/1.7b ] || [ ! -e /tmp/ab_base/ckpt/1.7b ] || ln -s /tmp/ab_base/ckpt/1.7b /tmp/ab_$1/ckpt/1.7b

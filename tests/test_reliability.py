@@ -230,6 +230,29 @@ def test_engine_killed_mid_update_survivors_get_it_and_a_restarted_one_catches_u
 
 
 @pytest.mark.slow
+def test_joining_an_engine_that_died_meanwhile_joins_its_replacement_at_once(dense_dir, engine_factory):
+    """A restarted trainer reads the engine's published address while the engine is being killed and
+    restarted (the chaos run with seed 16212: trainer and engine killed 2 s apart). The join to the dead
+    address must fail within a poll and go to the replacement, not wait the group's timeout for a rank
+    that never comes (the trainer sat 300 s in the rendezvous, and the driver then requeued the job)."""
+    dead, new = engine_factory(dense_dir), engine_factory(dense_dir)
+    os.kill(dead.proc.pid, signal.SIGKILL)
+    dead.proc.wait()
+    urls = [dead.url]
+    sender = BroadcastTransport(WeightsConfig(bucket_size_mb=0.01, timeout_s=60), [EngineClient(dead.url)],
+                                torch.device("cpu"), "127.0.0.1", urls=lambda: urls)
+    urls[0] = new.url  # the replacement has published its address by the time the join fails
+    t0 = time.monotonic()
+    sender.connect([EngineClient(dead.url)])
+    assert time.monotonic() - t0 < 20, "waited out the rendezvous timeout"
+    assert [c.url for c in sender.clients] == [new.url]
+    v1 = perturbed(dense_dir, 1)
+    sender.send(list(v1.items()), version=1)
+    assert_holds(EngineClient(new.url), v1, 1)
+    sender.close()
+
+
+@pytest.mark.slow
 def test_weight_update_to_a_stopped_engine_times_out_with_a_clear_error(dense_dir, engine_factory):
     eng = engine_factory(dense_dir)
     sender = BroadcastTransport(WeightsConfig(bucket_size_mb=0.01, timeout_s=3), [EngineClient(eng.url)],

@@ -25,7 +25,7 @@ from pipeline.rollout.client import EngineClient
 from pipeline.run import free_port, publish
 from pipeline.weights.buckets import buckets_of
 from pipeline.weights.common import EngineSet, HostCache, NamedTensors, SyncedTransport, VersionSync
-from pipeline.weights.group import backend_for, broadcast, create_group
+from pipeline.weights.group import backend_for, broadcast, create_root_group
 from pipeline.weights.quant import wire
 
 log = logging.getLogger("lockstep.weights")
@@ -66,9 +66,7 @@ class BroadcastTransport(SyncedTransport):
         futures = [engines.pool.submit(c.checked, "/init_weights_update_group", protocol.init_group_body(
                        rank_offset=1 + i, timeout_s=self.cfg.timeout_s, **info), self.cfg.timeout_s)
                    for i, c in enumerate(engines.clients)]
-        self.pg = create_group(self.host, port, 0, world, backend, self.cfg.timeout_s)
-        for f in futures:
-            f.result()
+        self.pg = create_root_group(self.host, port, world, backend, self.cfg.timeout_s, futures)
         log.info("weight group %s: %d engine(s)", self.group_name, len(engines.clients))
 
     def leave(self) -> None:

@@ -213,13 +213,25 @@ class VersionSync:
         self._stop: threading.Event | None = None
 
     def connect(self, clients: list[EngineClient] | None = None) -> None:
-        """(Re)join `clients` (default: the live engines)."""
+        """(Re)join `clients` (default: the live engines). A member that cannot join (it died since its
+        address was published, and its launcher is restarting it on a new one) costs a retry with the
+        engines live then, each given weights.timeout_s to come back."""
         with self.lock:
-            clients = clients if clients is not None else self.engines.live()
-            if not clients:
-                raise EngineError("no live engine to send weights to")
-            self.engines.clients = list(clients)
-            self.link.join(self.engines)
+            for attempt in range(self.attempts):
+                if clients is None or attempt:
+                    self.wait_live(self.cfg.timeout_s)
+                    clients = self.engines.live()
+                if not clients:
+                    raise EngineError("no live engine to send weights to")
+                self.engines.clients = list(clients)
+                try:
+                    self.link.join(self.engines)
+                    return
+                except (EngineError, RuntimeError) as e:
+                    self.link.leave()
+                    if attempt == self.attempts - 1:
+                        raise EngineError(f"joining the engines failed {self.attempts} times: {e}") from e
+                    log.warning("joining the engines failed (%s); again with the live ones", e)
 
     def ensure_members(self) -> bool:
         """Join again if the live engines are not the members. Returns True if it did."""

@@ -25,7 +25,9 @@ def test_the_attention_probe_runs_end_to_end_on_the_interpreter(tmp_path):
     assert row["flash_ms"] > 0 and row["pinned_ms"] > 0
     # every candidate either timed (same bits) or recorded as differing; none failed to launch
     assert not [d for d in probe["differing"] if "error" in d], probe["differing"]
-    assert len(row["times_ms"]) + len(probe["differing"]) == 3 and "m64/w4/s2" in row["times_ms"]
+    assert len(row["times_ms"]) + len(probe["differing"]) == 4 and "m64/w4/s2" in row["times_ms"]
+    # the scheduling flags at the pinned tile keep the bits (the interpreter's tiles are the same)
+    assert "m64/w4/s3/heavy/split" in row["times_ms"], probe["differing"]
     assert row["best"] in row["times_ms"]
 
 

@@ -1,6 +1,6 @@
 """Batch-invariant causal GQA attention in Triton (forward), for both prefill and KV-cache decode.
 
-Layers: `online_softmax_step` and `load_kv_block` (one key block, shared with
+Layers: `block_scores`, `softmax_update`, `online_softmax_step` and `load_kv_block` (one key block, shared with
 lockstep_kernels/gpu/decode_attention.py),
 `_bi_attention_kernel` (one program per BLOCK_M queries of one (sequence, head)), `attention_fwd`
 (launcher), `BiAttention` (autograd: backward recomputes through torch's SDPA), `bi_attention`.
@@ -30,14 +30,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-    """One key block of an online softmax: scores q k^T * scale where `valid`, the running max m_i,
-    denominator l_i and output accumulator acc rescaled and updated (fp32). Returns (m_i, l_i, acc)."""
-    if IEEE:  # fp32 inputs: true fp32 products, not TF32
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * scale
-    s = tl.where(valid, s, float("-inf"))
+def block_scores(q, k, scale, IEEE: tl.constexpr):
+    """q k^T * scale for one key block (fp32; IEEE: true fp32 products, not TF32)."""
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    return tl.dot(q, tl.trans(k)) * scale
+
+
+@triton.jit
+def softmax_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """The online softmax's update by one key block's scores `s` (-inf where a key is not attended):
+    the running max m_i, denominator l_i and output accumulator acc rescaled and updated (fp32)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -47,6 +50,15 @@ def online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One key block of an online softmax: scores where `valid`, then the update. Returns (m_i, l_i, acc).
+    A block every query attends in full may skip the mask (`softmax_update` on `block_scores`): the
+    where() leaves every score as it is then, so the bits are the same."""
+    s = tl.where(valid, block_scores(q, k, scale, IEEE), float("-inf"))
+    return softmax_update(s, v, m_i, l_i, acc, IEEE)
 
 
 @triton.jit
@@ -75,7 +87,7 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
                          sq_b, sq_h, sq_q, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_h, so_q,
                          H, G, T, scale,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr):
     """o[b, h, i] = sum_{t <= p} softmax_t(q[b, h, i] . k[b, g, t] * scale) v[b, g, t] for the query at
     absolute position p = qstart[b] + i, g = h // (H / G).
 
@@ -83,9 +95,16 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
     p // BLOCK_M, and key t is column t % BLOCK_N of key block t // BLOCK_N, whether the query comes
     from a prefill or a single decode step. So every product and sum a query takes part in sits at
     the same place in the same-shaped tiles in both cases.
+
+    Scheduling only (PREFILL_CONFIG; neither changes a bit): HEAVY_FIRST launches the query tiles with
+    the most keys first (the GPU starts programs in grid order, and the last tiles of a causal sequence
+    are the longest: started last, they leave the SMs idle at the end); SPLIT_MASK runs the key blocks
+    every query row of the tile attends in full (below its first row's position) without the mask.
     """
     bh = tl.program_id(0)  # sequences x heads on the first axis: the one that allows 2^31 - 1 (grid.py)
     pid = tl.program_id(1)
+    if HEAVY_FIRST:
+        pid = tl.num_programs(1) - 1 - pid
     b = bh // H
     h = bh % H
     g = h // (H // G)
@@ -111,7 +130,19 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         qpos = tl.where(rows, pos, 0)  # rows that are not queries attend to key 0 and are not stored
         kv_end = tl.minimum(tl.max(qpos, axis=0) + 1, T)
-        for start in range(0, kv_end, BLOCK_N):
+        first = 0
+        if SPLIT_MASK:  # blocks of keys 0..(the tile's first query's position), all below T: no mask
+            lowest = tl.min(tl.where(rows, pos, T), axis=0)  # (rows that are not queries: unstored)
+            first = (tl.minimum(lowest + 1, T) // BLOCK_N) * BLOCK_N
+            for start in range(0, first, BLOCK_N):
+                cols = start + offs_n
+                k = tl.load(k_head + cols[:, None] * sk_t + offs_d[None, :])
+                v = tl.load(v_head + cols[:, None] * sv_t + offs_d[None, :])
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                m_i, l_i, acc = softmax_update(block_scores(q, k, scale, IEEE), v, m_i, l_i, acc, IEEE)
+        for start in range(first, kv_end, BLOCK_N):
             cols = start + offs_n
             kmask = cols < T
             k, v = load_kv_block(k_head, v_head, cols, kmask, offs_d, sk_t, sv_t, UPCAST)
@@ -143,7 +174,9 @@ def attention_grid(b: int, h: int, q: int, block_m: int = QUERY_ROWS) -> tuple[i
 # bits and more speed (tests/triton_checks.py attention_configs checks them again). Three stages: the
 # probe on an H100 (bench/results/h100/probes/bi_attention_probe.json) found 0 configurations with other
 # bits and s3 the fastest at every preset's 8k / 16k-token micro-batch, 0.41-0.45x -> 0.46-0.49x of flash.
-PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=3)
+# HEAVY_FIRST and SPLIT_MASK (the kernel's docstring) are scheduling too, checked bitwise on the interpreter
+# and off until `bench/bi_attention_probe.py` times them on a GPU (not run yet).
+PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=3, HEAVY_FIRST=False, SPLIT_MASK=False)
 
 
 def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:
@@ -159,7 +192,8 @@ def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None, c
         q_BHQD.stride(0), q_BHQD.stride(1), q_BHQD.stride(2), k_BGTD.stride(0), k_BGTD.stride(1), k_BGTD.stride(2),
         v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),
         h, g, t, d ** -0.5 if scale is None else scale, D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=key_block(d),
-        UPCAST=INTERPRET, IEEE=q_BHQD.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UPCAST=INTERPRET, IEEE=q_BHQD.dtype == torch.float32, HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
+        SPLIT_MASK=cfg.get("SPLIT_MASK", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pipeline.buffer.reader import BufferReader
 from pipeline.launch.slurm.follow import describe
@@ -22,6 +23,7 @@ from pipeline.launch.slurm.jobctl import job_state, parse_node_events, parse_sta
 from pipeline.launch.slurm.recovery import Action, Failure, RecoveryPolicy, SparePool, safe_exclusions
 from pipeline.launch.slurm.steps import relocate
 from pipeline.launch.slurm.templates import reference_scripts
+from pipeline.models.hf_io import read_state_dict
 from pipeline.observability.status import status
 from pipeline.observability.metrics import read_metrics
 from pipeline.run import RunDir
@@ -346,6 +348,34 @@ def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
     assert [e["event"] for e in events] == ["start", "failure", "failure", "end"]  # one attempt: no requeue
     assert BufferReader(RunDir(run_dir).buffer).committed_steps() == [15]  # consumed steps collected after all
     assert max(r["train/rollout_logprob_max_abs_diff"] for r in read_metrics(str(run_dir))) == 0.0  # engines caught up
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_rollout_manager_killed_is_restarted_and_the_run_is_unchanged(slurm, tmp_path):
+    """The rollout manager killed mid-run: restarted in place after its last committed step; the run
+    ends with every step once and the same rollouts and weights as an uninterrupted run."""
+    common = [*SMALL, "num_rollout=10", "determinism.true_on_policy=true", "eval.interval=0"]
+    ref = lockstep("run", *LOCAL, f"run_dir={tmp_path}/ref", *common, "--no-progress")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    p = submit_bg(run_dir, *common)
+    assert wait_until(lambda: steps_done(run_dir) >= 4, timeout=180)
+    node = RunDir(run_dir).heartbeats()["rollout"]["node"]
+    os.kill(pid_of(run_dir, "rollout"), 9)
+    out, err = p.communicate(timeout=400)
+    assert p.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert f"rollout failed on {node} (exit status" in err and "restarted in place (restart 1/" in err, err
+    assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(10))
+    ours, theirs = BufferReader(RunDir(run_dir).buffer), BufferReader(RunDir(tmp_path / "ref").buffer)
+    assert ours.committed_steps() == theirs.committed_steps() == list(range(10))
+    for step in range(10):
+        a, b = ours.read_step(step), theirs.read_step(step)
+        assert all(torch.equal(torch.as_tensor(getattr(a, c)), torch.as_tensor(getattr(b, c)))
+                   for c in ("tokens", "logprobs", "rewards")), step
+    a, b = read_state_dict(RunDir(run_dir).hf_export), read_state_dict(RunDir(tmp_path / "ref").hf_export)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [e["event"] for e in RunDir(run_dir).read_events()] == ["start", "failure", "end"]
 
 
 @pytest.mark.slurm

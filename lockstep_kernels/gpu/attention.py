@@ -131,16 +131,12 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
         qpos = tl.where(rows, pos, 0)  # rows that are not queries attend to key 0 and are not stored
         kv_end = tl.minimum(tl.max(qpos, axis=0) + 1, T)
         first = 0
-        if SPLIT_MASK:  # blocks of keys 0..(the tile's first query's position), all below T: no mask
+        if SPLIT_MASK:  # blocks of keys 0..(the tile's first query's position), all below T: no score mask
             lowest = tl.min(tl.where(rows, pos, T), axis=0)  # (rows that are not queries: unstored)
             first = (tl.minimum(lowest + 1, T) // BLOCK_N) * BLOCK_N
             for start in range(0, first, BLOCK_N):
                 cols = start + offs_n
-                k = tl.load(k_head + cols[:, None] * sk_t + offs_d[None, :])
-                v = tl.load(v_head + cols[:, None] * sv_t + offs_d[None, :])
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
+                k, v = load_kv_block(k_head, v_head, cols, cols < T, offs_d, sk_t, sv_t, UPCAST)
                 m_i, l_i, acc = softmax_update(block_scores(q, k, scale, IEEE), v, m_i, l_i, acc, IEEE)
         for start in range(first, kv_end, BLOCK_N):
             cols = start + offs_n

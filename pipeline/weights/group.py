@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 
 import torch
 import torch.distributed as dist
@@ -33,32 +33,27 @@ def create_group(master_address: str, master_port: int, rank: int, world_size: i
 
 
 def create_root_group(master_address: str, master_port: int, world_size: int, backend: str, timeout_s: float,
-                      joins: list[Future], poll_s: float = 0.1):
+                      joins: list[Future]):
     """Rank 0's side of a new group while the other ranks' join requests (`joins`, which raise when a
     peer cannot join) are in flight. Returns the group once it is up and every join succeeded; raises the
     first failed join's error as soon as it fails: a peer that died before joining (an engine restarted
-    on a new address, its old one refusing connections) is an error within a poll, not a wait of
-    `timeout_s` for a rank that will never come. The abandoned rendezvous thread times out on its own."""
-    box: dict = {}
+    on a new address, its old one refusing connections) is an error at once, not a wait of `timeout_s`
+    for a rank that will never come. The rendezvous runs in a daemon thread (an executor's would hold
+    the process's exit until it times out); abandoned, it times out on its own."""
+    made: Future = Future()
 
     def make() -> None:
         try:
-            box["pg"] = create_group(master_address, master_port, 0, world_size, backend, timeout_s)
-        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
-            box["error"] = e
+            made.set_result(create_group(master_address, master_port, 0, world_size, backend, timeout_s))
+        except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
+            made.set_exception(e)
 
-    maker = threading.Thread(target=make, name="weights-group", daemon=True)
-    maker.start()
-    while maker.is_alive():
-        maker.join(poll_s)
-        for f in joins:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
-    if "error" in box:
-        raise box["error"]
-    for f in joins:
-        f.result()
-    return box["pg"]
+    threading.Thread(target=make, name="weights-group", daemon=True).start()
+    wait([made, *joins], return_when=FIRST_EXCEPTION)
+    for f in (*joins, made):  # a peer's own error says more than the rendezvous's
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    return made.result()
 
 
 def broadcast(pg, tensor: torch.Tensor, src: int = 0) -> None:

@@ -45,7 +45,7 @@ GOAL_POINTS = 20.0  # held-out pass@1, SFT checkpoint (RL version 0) -> end of R
 GOAL_WALL_S = 600.0  # data + SFT + RL, each command's start to its end
 
 # The data each size generates (pipeline.rollout.tasks.multidigit_splits' arguments).
-DATA = {"gpu": dict(n_sft=20000, n_train=20000, n_test_per_digits=64, sft_max_digits=4, max_digits=5),
+DATA = {"gpu": dict(n_sft=20000, n_train=20000, n_test_per_digits=64, sft_max_digits=4, max_digits=4),
         "tiny": dict(n_sft=1500, n_train=1500, n_test_per_digits=16, sft_max_digits=2, max_digits=2)}
 # --tiny: the same two configs on CPU with the 0.1M model, short responses (2-digit problems) and few steps.
 TINY_COMMON = ["train.device=cpu", "model.dtype=float32", "train.max_tokens_per_gpu=4096", "logging.plot=false"]
@@ -54,7 +54,7 @@ TINY_SFT = [*TINY_COMMON, "model.init=tiny-dense", "rollout.rollout_batch_size=3
 TINY_RL = [*TINY_COMMON, "engine.device=cpu", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
            "train.global_batch_size=32", "rollout.rollout_max_response_len=32", "engine.max_running_requests=64",
            "eval.interval=2", "eval.n_samples_per_prompt=2", "train.lr=1e-3", "train.lr_warmup_steps=0"]
-STEPS = {"gpu": (80, 200), "tiny": (30, 4)}  # (SFT, RL)
+STEPS = {"gpu": (90, 400), "tiny": (30, 4)}  # (SFT, RL)
 
 
 def run_phase(name: str, config: str, overrides: list[str], timeout_s: float) -> dict:
@@ -239,8 +239,8 @@ def copy_run(run_dir: str, dest: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU: tiny model, 1-2 digit problems, few steps")
-    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default 80; 30 with --tiny)")
-    p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default 200; 4 with --tiny)")
+    p.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default 90; 30 with --tiny)")
+    p.add_argument("--rl-steps", type=int, default=None, help="GRPO steps (default 400; 4 with --tiny)")
     p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE", help="override of the SFT config")
     p.add_argument("--rl", action="append", default=[], metavar="KEY=VALUE", help="override of the GRPO config")
     p.add_argument("--data", action="append", default=[], metavar="KEY=INT",

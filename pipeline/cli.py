@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n-test-per-digits", type=int, default=64,
                    help="make-multidigit: held-out problems per first-operand length (2..max-digits)")
     d.add_argument("--sft-max-digits", type=int, default=4, help="make-multidigit: longest first operand in SFT rows")
-    d.add_argument("--max-digits", type=int, default=5, help="make-multidigit: longest first operand in RL and test")
+    d.add_argument("--max-digits", type=int, default=4, help="make-multidigit: longest first operand in RL and test")
     d.set_defaults(fn=cmd_data)
     return p
 

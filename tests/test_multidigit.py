@@ -22,7 +22,7 @@ OPS = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y
 
 @pytest.fixture(scope="module")
 def splits():
-    return multidigit_splits()  # the recipe's sizes: 20000 SFT rows, 20000 RL prompts, 4 x 64 held out
+    return multidigit_splits()  # the recipe's sizes: 20000 SFT rows, 20000 RL prompts, 3 x 64 held out
 
 
 def check_scratchpad(prompt: str, response: str, label: str) -> None:
@@ -69,11 +69,15 @@ def test_test_set_is_disjoint_and_lengths_follow_the_split(splits):
         assert len(ps) == len(set(ps)), f"{name} repeats a problem"
     assert not set(prompts["test"]) & set(prompts["sft"])
     assert not set(prompts["test"]) & set(prompts["train"])
-    assert {len(ps) for ps in prompts.values()} == {20000, 256}
+    assert {len(ps) for ps in prompts.values()} == {20000, 192}
     digits = {name: collections.Counter(r["metadata"]["digits"] for r in rows) for name, rows in splits.items()}
-    assert max(digits["sft"]) == 4 and max(digits["train"]) == 5  # RL and test go past what SFT showed
-    assert digits["test"] == {2: 64, 3: 64, 4: 64, 5: 64}
-    assert set(digits["sft"]) == {1, 2, 3, 4} and set(digits["train"]) == {1, 2, 3, 4, 5}
+    assert digits["test"] == {2: 64, 3: 64, 4: 64}
+    assert set(digits["sft"]) == {1, 2, 3, 4} and set(digits["train"]) == {1, 2, 3, 4}
+    # a longer max_digits: RL prompts and the held-out set go past what SFT shows
+    longer = multidigit_splits(n_sft=500, n_train=500, n_test_per_digits=8, sft_max_digits=3, max_digits=5)
+    longer_digits = {name: collections.Counter(r["metadata"]["digits"] for r in rows) for name, rows in longer.items()}
+    assert max(longer_digits["sft"]) == 3 and max(longer_digits["train"]) == 5
+    assert longer_digits["test"] == {2: 8, 3: 8, 4: 8, 5: 8}
     assert collections.Counter(r["metadata"]["op"] for r in splits["train"]).keys() == {"+", "-", "*"}
 
 
@@ -99,7 +103,7 @@ def test_impossible_sizes_are_refused(capsys):
     with pytest.raises(ValueError, match="only 235 distinct problems of up to 1 digits"):
         multidigit_splits(n_sft=1000, n_train=10, n_test_per_digits=1, sft_max_digits=1, max_digits=2)
     assert main(["data", "make-multidigit", "/tmp/unused", "--sft-max-digits", "6"]) == 2
-    assert "sft_max_digits (6) must be in 1..max_digits (5)" in capsys.readouterr().err
+    assert "sft_max_digits (6) must be in 1..max_digits (4)" in capsys.readouterr().err
 
 
 def test_final_answer_reward():

@@ -55,8 +55,9 @@ def softmax_update(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 @triton.jit
 def online_softmax_step(q, k, v, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """One key block of an online softmax: scores where `valid`, then the update. Returns (m_i, l_i, acc).
-    A block every query attends in full may skip the mask (`softmax_update` on `block_scores`): the
-    where() leaves every score as it is then, so the bits are the same."""
+    Every block goes through the mask, fully attended ones too: on an H100 (2026-12-07) a kernel that
+    skipped it for those blocks changed 1-4 in 10^4 of its bf16 outputs (the compiled code of the two
+    loops differs; not looked into further), so the mask is part of the bits."""
     s = tl.where(valid, block_scores(q, k, scale, IEEE), float("-inf"))
     return softmax_update(s, v, m_i, l_i, acc, IEEE)
 
@@ -87,7 +88,7 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
                          sq_b, sq_h, sq_q, sk_b, sk_g, sk_t, sv_b, sv_g, sv_t, so_b, so_h, so_q,
                          H, G, T, scale,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                         IEEE: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr):
+                         IEEE: tl.constexpr, HEAVY_FIRST: tl.constexpr):
     """o[b, h, i] = sum_{t <= p} softmax_t(q[b, h, i] . k[b, g, t] * scale) v[b, g, t] for the query at
     absolute position p = qstart[b] + i, g = h // (H / G).
 
@@ -96,10 +97,9 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
     from a prefill or a single decode step. So every product and sum a query takes part in sits at
     the same place in the same-shaped tiles in both cases.
 
-    Scheduling only (PREFILL_CONFIG; neither changes a bit): HEAVY_FIRST launches the query tiles with
-    the most keys first (the GPU starts programs in grid order, and the last tiles of a causal sequence
-    are the longest: started last, they leave the SMs idle at the end); SPLIT_MASK runs the key blocks
-    every query row of the tile attends in full (below its first row's position) without the mask.
+    Scheduling only (PREFILL_CONFIG; no bit changes): HEAVY_FIRST launches the query tiles with the most
+    keys first (the GPU starts programs in grid order, and the last tiles of a causal sequence are the
+    longest: started last, they leave the SMs idle at the end).
     """
     bh = tl.program_id(0)  # sequences x heads on the first axis: the one that allows 2^31 - 1 (grid.py)
     pid = tl.program_id(1)
@@ -130,15 +130,7 @@ def _bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, qstart_ptr, qlen_ptr,
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         qpos = tl.where(rows, pos, 0)  # rows that are not queries attend to key 0 and are not stored
         kv_end = tl.minimum(tl.max(qpos, axis=0) + 1, T)
-        first = 0
-        if SPLIT_MASK:  # blocks of keys 0..(the tile's first query's position), all below T: no score mask
-            lowest = tl.min(tl.where(rows, pos, T), axis=0)  # (rows that are not queries: unstored)
-            first = (tl.minimum(lowest + 1, T) // BLOCK_N) * BLOCK_N
-            for start in range(0, first, BLOCK_N):
-                cols = start + offs_n
-                k, v = load_kv_block(k_head, v_head, cols, cols < T, offs_d, sk_t, sv_t, UPCAST)
-                m_i, l_i, acc = softmax_update(block_scores(q, k, scale, IEEE), v, m_i, l_i, acc, IEEE)
-        for start in range(first, kv_end, BLOCK_N):
+        for start in range(0, kv_end, BLOCK_N):
             cols = start + offs_n
             kmask = cols < T
             k, v = load_kv_block(k_head, v_head, cols, kmask, offs_d, sk_t, sv_t, UPCAST)
@@ -170,9 +162,10 @@ def attention_grid(b: int, h: int, q: int, block_m: int = QUERY_ROWS) -> tuple[i
 # bits and more speed (tests/triton_checks.py attention_configs checks them again). Three stages: the
 # probe on an H100 (bench/results/h100/probes/bi_attention_probe.json) found 0 configurations with other
 # bits and s3 the fastest at every preset's 8k / 16k-token micro-batch, 0.41-0.45x -> 0.46-0.49x of flash.
-# HEAVY_FIRST and SPLIT_MASK (the kernel's docstring) are scheduling too, checked bitwise on the interpreter
-# and off until `bench/bi_attention_probe.py` times them on a GPU (not run yet).
-PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=3, HEAVY_FIRST=False, SPLIT_MASK=False)
+# HEAVY_FIRST (the kernel's docstring) is scheduling too: on an H100 (2026-12-07, the same probe) it kept
+# every bit at all six shapes and was the fastest equal configuration at each, 1-9% faster than without it
+# (0.46-0.49x -> 0.48-0.51x of flash; bench/results/h100/probes/bi_attention_heavy_first.json).
+PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=3, HEAVY_FIRST=True)
 
 
 def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:
@@ -189,7 +182,7 @@ def attention_fwd(q_BHQD, k_BGTD, v_BGTD, qpos_BQ, scale: float | None = None, c
         v_BGTD.stride(0), v_BGTD.stride(1), v_BGTD.stride(2), out.stride(0), out.stride(1), out.stride(2),
         h, g, t, d ** -0.5 if scale is None else scale, D=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=key_block(d),
         UPCAST=INTERPRET, IEEE=q_BHQD.dtype == torch.float32, HEAVY_FIRST=cfg.get("HEAVY_FIRST", False),
-        SPLIT_MASK=cfg.get("SPLIT_MASK", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

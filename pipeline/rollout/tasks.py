@@ -51,8 +51,9 @@ def make_arith(out_dir: str, seed: int = 0) -> None:
 #   "4821*7="    ->  "1*7+0=7 2*7+0=14 8*7+1=57 4*7+5=33 >33747"
 # The reward (`final_answer`) is an exact match of the text after the last ">". SFT rows (sft.jsonl) show
 # the scratchpad on easy problems (first operand of up to `sft_max_digits` digits); the RL prompts
-# (train.jsonl) and the held-out set (test.jsonl) go up to `max_digits`, so the longest problems are ones
-# SFT never showed. test.jsonl's problems are in neither of the other files.
+# (train.jsonl) and the held-out set (test.jsonl) go up to `max_digits` (both 4 by default, the GPU recipe's
+# measured setting; a larger max_digits holds problems SFT never showed). test.jsonl's problems are in
+# neither of the other files.
 MULTIDIGIT_OPS = ("+", "-", "*")
 
 
@@ -96,7 +97,7 @@ def multidigit_row(a: int, op: str, b: int, with_response: bool) -> dict:
 
 
 def multidigit_splits(n_sft: int = 20000, n_train: int = 20000, n_test_per_digits: int = 64, sft_max_digits: int = 4,
-                      max_digits: int = 5, seed: int = 0) -> dict[str, list[dict]]:
+                      max_digits: int = 4, seed: int = 0) -> dict[str, list[dict]]:
     """{"sft", "train", "test"}: test first (n_test_per_digits distinct problems for each first-operand length
     2..max_digits), then SFT rows (lengths 1..sft_max_digits, with responses) and RL prompts (lengths
     1..max_digits), each distinct within itself and none of them a test problem."""

@@ -164,7 +164,8 @@ def attention_grid(b: int, h: int, q: int, block_m: int = QUERY_ROWS) -> tuple[i
 # bits and s3 the fastest at every preset's 8k / 16k-token micro-batch, 0.41-0.45x -> 0.46-0.49x of flash.
 # HEAVY_FIRST (the kernel's docstring) is scheduling too: on an H100 (2026-12-07, the same probe) it kept
 # every bit at all six shapes and was the fastest equal configuration at each, 1-9% faster than without it
-# (0.46-0.49x -> 0.48-0.51x of flash; bench/results/h100/probes/bi_attention_heavy_first.json).
+# (0.46-0.49x -> 0.48-0.51x of flash; bench/results/h100/probes/bi_attention_heavy_first.json), and
+# attention_configs / attention / bi_decode pass with it pinned.
 PREFILL_CONFIG = dict(BLOCK_M=QUERY_ROWS, num_warps=4, num_stages=3, HEAVY_FIRST=True)
 
 

@@ -162,3 +162,100 @@ def test_gpus_are_found_with_one_nvidia_smi_call(tmp_path, monkeypatch):
     prepare._nvidia_gpu_gib.cache_clear()
     assert not prepare._gpu_visible(cfg)
     prepare._nvidia_gpu_gib.cache_clear()
+
+
+def test_files_that_are_not_utf8_jsonl_are_named_in_one_line(tmp_path, tok):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps({"prompt": "1+2=", "label": "3"}).encode() + b"\n" + '{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(UserError, match=r"line 2 is not UTF-8 text"):
+        PromptDataset(DataConfig(prompt_data=str(bad)), tok, seed=0)
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"prompt": "1+2=", "label": "3"}, {"prompt": "2+2=", "label": "4"}], indent=1))
+    with pytest.raises(UserError, match=r"not a JSON array"):
+        PromptDataset(DataConfig(prompt_data=str(array)), tok, seed=0)
+    (tmp_path / "adir").mkdir()
+    assert "is a directory" in refused(f"data.prompt_data={tmp_path}/adir", f"run_dir={tmp_path}/a")
+    assert "data.prompt_data is empty" in refused("data.prompt_data=", f"run_dir={tmp_path}/b")
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_parquet_rows_read_as_their_jsonl_rows(tmp_path, tok):
+    """Miles / slime data comes as Parquet: the same rows, the same prompts, labels and metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"{a}+{b}=", "label": str(a + b), "metadata": {"a": a}} for a in range(4) for b in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "train.parquet"))
+    jsonl = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "train.jsonl", rows)), tok, seed=0)
+    parquet = PromptDataset(DataConfig(prompt_data=str(tmp_path / "train.parquet")), tok, seed=0)
+    assert parquet.stats.kept == len(rows) == jsonl.stats.kept
+    assert [(p.input_ids, p.label, p.metadata) for p in parquet.prompts] == [(p.input_ids, p.label, p.metadata)
+                                                                            for p in jsonl.prompts]
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1" + b"\0" * 64)
+    with pytest.raises(UserError, match="not a readable Parquet file"):
+        PromptDataset(DataConfig(prompt_data=str(tmp_path / "broken.parquet")), tok, seed=0)
+
+
+def test_rows_without_a_label_are_unusable_when_the_reward_compares_with_it(tmp_path, tok):
+    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "2+2="}, {"prompt": "3+3=", "label": None}]
+    path = write_rows(tmp_path / "d.jsonl", rows)
+    ds = PromptDataset(DataConfig(prompt_data=path), tok, seed=0, label_for="exact_match")
+    assert [p.label for p in ds.prompts] == ["3"]
+    assert ds.stats.skipped == {"no 'label' field (rm_type exact_match compares the response with it)": 2}
+    # a user's reward function may not need one: the rows stay
+    assert len(PromptDataset(DataConfig(prompt_data=path), tok, seed=0).prompts) == 3
+    other = write_rows(tmp_path / "o.jsonl", [{"prompt": "1+2=", "answer": "3"}])
+    line = refused(f"data.prompt_data={other}", "eval.interval=0", "eval.datasets={}", f"run_dir={tmp_path}/r")
+    assert "set data.label_key to the field that holds the answer" in line
+    line = refused("rollout.rm_type=bogus", "eval.interval=0", "eval.datasets={}", f"run_dir={tmp_path}/r2")
+    assert line.startswith("lockstep: error: rollout.rm_type 'bogus'")
+
+
+def _resaved(src, dst, edit):
+    """A copy of checkpoint `src` whose tensors went through `edit(state) -> state` (safetensors, one file)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = edit(load_file(os.path.join(dst, "model.safetensors")))
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_broken_weight_files_are_refused_in_one_line_before_anything_starts(tmp_path):
+    import torch
+
+    from pipeline.models.hf_config import read_model_args
+    from pipeline.models.hf_io import read_state_dict, save_model
+
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    sharded = str(tmp_path / "sharded")
+    save_model(read_state_dict(model), read_model_args(model), sharded, tokenizer_dir=model, max_shard_bytes=40_000)
+    shards = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
+    assert len(shards) > 2
+    os.unlink(os.path.join(sharded, shards[1]))
+    assert f"names 1 shard(s) that are not there ({shards[1]})" in refused(f"model.path={sharded}", f"run_dir={tmp_path}/a")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(model, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert "is not a readable safetensors file" in refused(f"model.path={truncated}", f"run_dir={tmp_path}/b")
+    # tied in config.json, but a saved lm_head that is not the embedding: transformers would not tie them
+    tied = _resaved(model, tmp_path / "tied", lambda s: {**s, "lm_head.weight": torch.randn_like(s["model.embed_tokens.weight"])})
+    cfg = json.loads(open(os.path.join(tied, "config.json")).read())
+    cfg["tie_word_embeddings"] = True
+    with open(os.path.join(tied, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    assert "lm_head.weight differs from model.embed_tokens.weight" in refused(f"model.path={tied}", f"run_dir={tmp_path}/c")
+    for run in "abc":
+        assert not os.path.exists(tmp_path / run)
+
+
+def test_rotary_buffers_older_checkpoints_carry_are_ignored_as_transformers_ignores_them(tmp_path):
+    import torch
+
+    from pipeline.models.hf_io import load_model
+
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    old = _resaved(model, tmp_path / "old", lambda s: {**s, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    loaded, reference = load_model(old)[1].state_dict(), load_model(model)[1].state_dict()
+    assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)

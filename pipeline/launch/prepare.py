@@ -26,6 +26,10 @@ log = logging.getLogger("lockstep.launch")
 
 
 def resolve_paths(cfg: RunConfig) -> RunConfig:
+    empty = [key for key, value in (("data.prompt_data", cfg.data.prompt_data), *((f"eval.datasets.{n}", ds.path)
+             for n, ds in cfg.eval.datasets.items())) if not str(value).strip()]
+    if empty:
+        raise UserError(f"{empty[0]} is empty: point it at a JSONL file")
     model = cfg.model
     if model.path:
         model = dataclasses.replace(model, path=os.path.abspath(os.path.expanduser(model.path)))
@@ -39,11 +43,11 @@ def resolve_paths(cfg: RunConfig) -> RunConfig:
 def check_inputs(cfg: RunConfig) -> None:
     """Everything a user brings, checked before anything starts: the checkpoint directory, its tokenizer
     against the model, and every row of the prompt data (one line per problem)."""
-    if not os.path.exists(cfg.data.prompt_data):
-        raise UserError(f"data.prompt_data {cfg.data.prompt_data!r} not found: point it at a JSONL file of prompts")
-    for name, ds in cfg.eval.datasets.items():
-        if not os.path.isfile(ds.path):
-            raise UserError(f"eval.datasets.{name} {ds.path!r} not found: point it at a JSONL file of held-out prompts")
+    for key, path, what in (("data.prompt_data", cfg.data.prompt_data, "prompts"),
+                            *((f"eval.datasets.{n}", ds.path, "held-out prompts") for n, ds in cfg.eval.datasets.items())):
+        if not os.path.isfile(path):
+            problem = "is a directory" if os.path.isdir(path) else "not found"
+            raise UserError(f"{key} {path!r} {problem}: point it at a JSONL file of {what}")
     from pipeline.rollout.functions import resolve_generate_fn
 
     resolve_generate_fn(cfg.rollout.generate_fn)  # importable, and a function (one line if not)
@@ -58,7 +62,7 @@ def check_inputs(cfg: RunConfig) -> None:
 
         args = read_model_args(cfg.model.path)
         validate(cfg, args)
-        check_weights_present(cfg.model.path)
+        check_weights_present(cfg.model.path, tied=args.tie_word_embeddings)
         if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
             raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
         vocab = args.vocab_size
@@ -67,9 +71,16 @@ def check_inputs(cfg: RunConfig) -> None:
     check_data(cfg, vocab)
 
 
-def check_weights_present(model_dir: str) -> None:
+def check_weights_present(model_dir: str, tied: bool = False) -> None:
+    """Safetensors weights there, every shard the index names present with a readable header, and (a
+    tied LM head) no saved lm_head.weight that differs from the embedding: one line each if not."""
+    from pipeline.models.hf_files import tied_head_differs, tied_head_error, weight_names
+
     names = os.listdir(model_dir)
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
+        tensors = weight_names(model_dir)
+        if tied and tied_head_differs(model_dir, tensors):
+            raise tied_head_error(f"model.path {model_dir!r}")
         return
     legacy = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]
     fix = (f"it has {legacy[0]}: save it as safetensors (transformers: model.save_pretrained(dir))" if legacy
@@ -103,7 +114,10 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
             log.warning("lockstep: algo.loss_type=sft_loss trains each row once per step: rollout.n_samples_per_prompt"
                         " (%d) is ignored", cfg.rollout.n_samples_per_prompt)
     else:
-        stats = [PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed).stats]
+        from pipeline.rollout.rewards import label_for, resolve_reward
+
+        resolve_reward(cfg.rollout.rm_type)  # a name, a module:function or a URL (one line if not)
+        stats = [PromptDataset(cfg.data, tok, seed=cfg.rollout.rollout_seed, label_for=label_for(cfg.rollout.rm_type)).stats]
     if cfg.eval.datasets:  # the eval sets as the rollout manager will read them, reward functions included
         from pipeline.rollout.eval_data import load_eval_sets
 

@@ -21,9 +21,8 @@ from pipeline.models.config import ModelArgs
 from pipeline.models.fp8 import SCALE_SUFFIX
 from pipeline.utils.fs import atomic_dir
 from pipeline.models.hf_config import read_model_args, write_hf_config  # noqa: F401 (read_model_args: kept importable here)
+from pipeline.models.hf_files import IGNORED_SUFFIXES, INDEX_NAME, SINGLE_NAME, tied_head_error, weight_files, weight_names  # noqa: F401
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 
@@ -33,17 +32,14 @@ def read_state_dict(model_dir: str, dequantize: bool = True) -> dict[str, torch.
     unless `dequantize` is false."""
     from safetensors.torch import load_file
 
-    index = os.path.join(model_dir, INDEX_NAME)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(model_dir, SINGLE_NAME)):
-        files = [SINGLE_NAME]
-    else:
-        raise UserError(f"{model_dir!r} has no {SINGLE_NAME} or {INDEX_NAME}")
+    weight_names(model_dir)  # every file's header readable (one line if not), before reading any tensor
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(os.path.join(model_dir, name)))
+    for name in weight_files(model_dir):
+        try:
+            state.update(load_file(os.path.join(model_dir, name)))
+        except Exception as e:
+            raise UserError(f"{os.path.join(model_dir, name)!r}: its tensors cannot be read (truncated?): {e}") from None
+    state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
     if any(k.endswith(".weight_packed") for k in state):  # a W4A16 (compressed-tensors) checkpoint
         from pipeline.models.qat import dense_from_w4a16
 
@@ -117,6 +113,7 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
     if allow_missing:
         expected = {k for k in expected if not k.startswith(allow_missing)}
     if model.args.tie_word_embeddings:
+        check_tied(state.get("model.embed_tokens.weight"), state.get("lm_head.weight"), source)
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         expected.discard("lm_head.weight")
     missing = sorted(expected - state.keys())
@@ -138,6 +135,15 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
             target.copy_(tensor, non_blocking=target.device.type != "cpu")
     if any(p.device.type == "cuda" for p in params.values()):
         torch.cuda.synchronize()
+
+
+def check_tied(embedding: torch.Tensor | None, lm_head: torch.Tensor | None, source: str) -> None:
+    """config.json ties the LM head to the embedding: a saved lm_head.weight must then be the embedding
+    (transformers keeps a different one untied; Lockstep would drop it and train another model)."""
+    if embedding is None or lm_head is None:
+        return
+    if embedding.shape != lm_head.shape or not torch.equal(embedding, lm_head):
+        raise tied_head_error(source)
 
 
 def save_model(

@@ -8,6 +8,7 @@ data cursor never needs saving: a resumed run draws exactly the prompts it would
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,48 @@ def parse_row(line: str, input_key: str) -> tuple[str | None, dict | None, Any]:
     return None, row, raw
 
 
+PARQUET_MAGIC = b"PAR1"
+
+
+def read_lines(path: str, what: str = "data.prompt_data"):
+    """(line number, JSON text) of each non-blank row of a JSONL file, or of each record of a Parquet file
+    (Miles / slime data; needs pyarrow: `pip install pyarrow`). One-line UserErrors for what is not such a
+    file: a directory, a missing file, bytes that are not UTF-8, a JSON array."""
+    if os.path.isdir(path):
+        raise UserError(f"{what} {path!r} is a directory: point it at a JSONL (or Parquet) file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError:
+        raise UserError(f"{what} {path!r} not found") from None
+    if head == PARQUET_MAGIC:
+        yield from _parquet_lines(path, what)
+        return
+    with open(path, "rb") as f:  # decoded line by line: a bad byte is reported at its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is not part of the row
+            except UnicodeDecodeError as e:
+                raise UserError(f"{what} {path!r}: line {lineno} is not UTF-8 text ({e.reason} at byte {e.start} of"
+                                " the line): Lockstep reads JSONL, one JSON object per line, in UTF-8") from None
+            if line.strip():
+                yield lineno, line
+
+
+def _parquet_lines(path: str, what: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{what} {path!r} is a Parquet file: reading it needs pyarrow (pip install pyarrow),"
+                        " or convert it to JSONL") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's errors are many; any of them means an unreadable file
+        raise UserError(f"{what} {path!r}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    for i, record in enumerate(table.to_pylist(), 1):
+        yield i, json.dumps(record, default=str)
+
+
 def is_chat(value) -> bool:
     """A list of chat messages ({"role", "content"} objects)."""
     return (isinstance(value, list) and bool(value)
@@ -73,6 +116,7 @@ class DatasetStats:
     kept: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[int]] = field(default_factory=dict)  # reason -> first line numbers
+    starts_with_array: bool = False  # the first row begins with "[": a JSON array, not JSONL
 
     def skip(self, reason: str, lineno: int) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -91,13 +135,20 @@ class DatasetStats:
 
 
 class PromptDataset:
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seed: int):
-        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+    """`label_for`: the reward function's name when it compares the response with the row's label (a
+    built-in one): a row without data.label_key is then unusable, not a prompt rewarded 0 every time."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seed: int, label_for: str | None = None):
+        self.cfg, self.tokenizer, self.seed, self.label_for = cfg, tokenizer, seed, label_for
         self.prompts, self.stats = self._load()
         self._orders: dict[int, np.ndarray] = {}
         if not self.prompts:
             hint = (" (set data.input_key to the field that holds the prompt)"
-                    if f"no {cfg.input_key!r} field" in self.stats.skipped else "")
+                    if f"no {cfg.input_key!r} field" in self.stats.skipped else
+                    " (set data.label_key to the field that holds the answer)"
+                    if any(r.startswith(f"no {cfg.label_key!r} field") for r in self.stats.skipped) else
+                    " (Lockstep reads JSONL: one JSON object per line, not a JSON array)"
+                    if self.stats.starts_with_array else "")
             raise UserError(f"{cfg.prompt_data}: no usable rows ({self.stats.report() if self.stats.rows else 'file is empty'})"
                             + hint)
 
@@ -105,22 +156,17 @@ class PromptDataset:
         cfg = self.cfg
         stats = DatasetStats(path=cfg.prompt_data)
         prompts: list[Prompt] = []
-        try:
-            f = open(cfg.prompt_data, encoding="utf-8-sig")  # a byte-order mark is not part of the first row
-        except FileNotFoundError:
-            raise UserError(f"data.prompt_data {cfg.prompt_data!r} not found") from None
-        with f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                stats.rows += 1
-                problem, prompt = self._parse(line, len(prompts))
-                if problem:
-                    if cfg.on_bad_row == "error":
-                        raise UserError(f"{cfg.prompt_data}:{lineno}: {problem} (set data.on_bad_row=skip to skip such rows)")
-                    stats.skip(problem, lineno)
-                    continue
-                prompts.append(prompt)
+        for lineno, line in read_lines(cfg.prompt_data):
+            if stats.rows == 0:
+                stats.starts_with_array = line.lstrip().startswith("[")
+            stats.rows += 1
+            problem, prompt = self._parse(line, len(prompts))
+            if problem:
+                if cfg.on_bad_row == "error":
+                    raise UserError(f"{cfg.prompt_data}:{lineno}: {problem} (set data.on_bad_row=skip to skip such rows)")
+                stats.skip(problem, lineno)
+                continue
+            prompts.append(prompt)
         stats.kept = len(prompts)
         return prompts, stats
 
@@ -148,6 +194,8 @@ class PromptDataset:
         if not isinstance(metadata, dict):
             return f"{cfg.metadata_key!r} is not an object", None
         label = field_at(row, cfg.label_key)
+        if self.label_for and (label is MISSING or label is None):
+            return f"no {cfg.label_key!r} field (rm_type {self.label_for} compares the response with it)", None
         return None, Prompt(index=index, input_ids=ids, label=None if label is MISSING else label,
                             metadata=metadata, text=text)
 

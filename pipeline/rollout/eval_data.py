@@ -12,7 +12,7 @@ from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError
 from pipeline.models.tokenizer import Tokenizer
 from pipeline.rollout.data import DatasetStats, Prompt, PromptDataset
-from pipeline.rollout.rewards import RewardFn, resolve_reward
+from pipeline.rollout.rewards import RewardFn, label_for, resolve_reward
 
 
 @dataclass
@@ -29,11 +29,13 @@ def load_eval_sets(cfg: RunConfig, tokenizer: Tokenizer) -> list[EvalSet]:
     sets = []
     for name, ds in cfg.eval.datasets.items():
         data = dataclasses.replace(cfg.data, prompt_data=ds.path, rollout_shuffle=False)
+        rm_type = ds.rm_type or cfg.rollout.rm_type
         try:
-            dataset = PromptDataset(data, tokenizer, seed=cfg.rollout.rollout_seed)
-            reward_fn = resolve_reward(ds.rm_type or cfg.rollout.rm_type)
+            reward_fn = resolve_reward(rm_type)
+            dataset = PromptDataset(data, tokenizer, seed=cfg.rollout.rollout_seed, label_for=label_for(rm_type))
         except UserError as e:
-            msg = str(e).replace("rollout.rm_type", "rm_type") if ds.rm_type else str(e)
+            msg = str(e).replace("data.prompt_data ", "")
+            msg = msg.replace("rollout.rm_type", "rm_type") if ds.rm_type else msg
             raise UserError(f"eval.datasets.{name}: {msg}") from None
         prompts = dataset.prompts[:cfg.eval.max_prompts] if cfg.eval.max_prompts else dataset.prompts
         sets.append(EvalSet(name, prompts, reward_fn, dataset.stats))

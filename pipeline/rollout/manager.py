@@ -36,7 +36,7 @@ from pipeline.rollout.evaluation import Evaluator
 from pipeline.rollout.filters import resolve_filter, zero_std_metrics
 from pipeline.rollout.functions import resolve_generate_fn, run_generate_fn
 from pipeline.rollout.handle import PoolHandle
-from pipeline.rollout.rewards import resolve_reward, score
+from pipeline.rollout.rewards import label_for, resolve_reward, score
 from pipeline.rollout.tito import check_turns, compare_calls, token_hash
 from pipeline.rollout.trajectory import (Trajectory, assemble_routing, calls_from_record, generated_mask,
                                          offpolicy_mask)
@@ -103,7 +103,8 @@ class RolloutManager:
         model_dir = self.rundir.model_dir(cfg)
         self.args = read_model_args(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed)
+        self.dataset = PromptDataset(cfg.data, self.tokenizer, seed=cfg.rollout.rollout_seed,
+                                     label_for=label_for(cfg.rollout.rm_type))
         log.info("%s", self.dataset.stats.report())
         self.reward_fn = resolve_reward(cfg.rollout.rm_type)
         self.keep = resolve_filter(cfg.rollout.dynamic_sampling_filter)

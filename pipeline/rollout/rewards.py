@@ -102,6 +102,12 @@ class RemoteReward:
         raise AssertionError("unreachable")
 
 
+def label_for(rm_type: str) -> str | None:
+    """rm_type when it is a built-in function, which compares the response with the row's label (a row
+    without one can never be right); None for user functions and reward models, which may not need one."""
+    return rm_type if rm_type in REGISTRY else None
+
+
 def resolve_reward(name: str) -> RewardFn:
     if name in REGISTRY:
         return REGISTRY[name]

@@ -1,0 +1,74 @@
+"""The weight files of a Hugging Face checkpoint directory, read without torch (the launcher's checks):
+which safetensors files there are, and the tensor names their headers list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pipeline.errors import UserError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+# Buffers older transformers saved beside the weights; transformers itself ignores them on loading.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The checkpoint's safetensors files (the index's shards, or the single file); a UserError naming the
+    problem when the index is unreadable or a shard it names is missing."""
+    index = os.path.join(model_dir, INDEX_NAME)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{index!r} is not a safetensors index ({type(e).__name__}: {e})") from None
+        missing = [n for n in files if not os.path.isfile(os.path.join(model_dir, n))]
+        if missing:
+            raise UserError(f"{model_dir!r}: {INDEX_NAME} names {len(missing)} shard(s) that are not there"
+                            f" ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an incomplete download?")
+        return files
+    if os.path.exists(os.path.join(model_dir, SINGLE_NAME)):
+        return [SINGLE_NAME]
+    raise UserError(f"{model_dir!r} has no {SINGLE_NAME} or {INDEX_NAME}")
+
+
+def weight_names(model_dir: str) -> dict[str, str]:
+    """Tensor name -> the file holding it, from the files' headers alone (no tensor is read): a UserError
+    naming a file that is not a readable safetensors file (truncated, or not safetensors at all)."""
+    from safetensors import safe_open
+
+    names: dict[str, str] = {}
+    for file in weight_files(model_dir):
+        try:
+            with safe_open(os.path.join(model_dir, file), framework="numpy") as f:
+                names.update(dict.fromkeys(f.keys(), file))
+        except Exception as e:  # SafetensorError, OSError: any of them means an unreadable file
+            raise UserError(f"{os.path.join(model_dir, file)!r} is not a readable safetensors file (truncated or"
+                            f" incomplete download?): {e}") from None
+    return names
+
+
+def tied_head_differs(model_dir: str, names: dict[str, str]) -> bool:
+    """Whether the checkpoint saves an lm_head.weight that is not its embedding (reads those two tensors
+    only; False when either is absent)."""
+    import torch
+    from safetensors import safe_open
+
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if embed not in names or head not in names:
+        return False
+    tensors = []
+    for name in (embed, head):
+        with safe_open(os.path.join(model_dir, names[name]), framework="pt") as f:
+            tensors.append(f.get_tensor(name))
+    return tensors[0].shape != tensors[1].shape or not torch.equal(tensors[0], tensors[1])
+
+
+def tied_head_error(source: str) -> UserError:
+    return UserError(f"{source}: config.json says tie_word_embeddings: true, but the checkpoint's lm_head.weight differs"
+                     " from model.embed_tokens.weight: set \"tie_word_embeddings\": false in config.json (what"
+                     " transformers loads), or remove lm_head.weight")

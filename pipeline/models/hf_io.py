@@ -21,7 +21,7 @@ from pipeline.models.config import ModelArgs
 from pipeline.models.fp8 import SCALE_SUFFIX
 from pipeline.utils.fs import atomic_dir
 from pipeline.models.hf_config import read_model_args, write_hf_config  # noqa: F401 (read_model_args: kept importable here)
-from pipeline.models.hf_files import IGNORED_SUFFIXES, INDEX_NAME, SINGLE_NAME, tied_head_error, weight_files, weight_names  # noqa: F401
+from pipeline.models.hf_files import IGNORED_SUFFIXES, INDEX_NAME, SINGLE_NAME, tied_head_error, weight_files  # noqa: F401
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -32,7 +32,6 @@ def read_state_dict(model_dir: str, dequantize: bool = True) -> dict[str, torch.
     unless `dequantize` is false."""
     from safetensors.torch import load_file
 
-    weight_names(model_dir)  # every file's header readable (one line if not), before reading any tensor
     state: dict[str, torch.Tensor] = {}
     for name in weight_files(model_dir):
         try:

@@ -65,18 +65,19 @@ PARQUET_MAGIC = b"PAR1"
 def read_lines(path: str, what: str = "data.prompt_data"):
     """(line number, JSON text) of each non-blank row of a JSONL file, or of each record of a Parquet file
     (Miles / slime data; needs pyarrow: `pip install pyarrow`). One-line UserErrors for what is not such a
-    file: a directory, a missing file, bytes that are not UTF-8, a JSON array."""
+    file: a directory, a missing file, bytes that are not UTF-8 (a JSON array reads as rows that fail to
+    parse: PromptDataset's hint names it)."""
     if os.path.isdir(path):
         raise UserError(f"{what} {path!r} is a directory: point it at a JSONL (or Parquet) file")
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
+        f = open(path, "rb")  # decoded line by line: a bad byte is reported at its line
     except FileNotFoundError:
         raise UserError(f"{what} {path!r} not found") from None
-    if head == PARQUET_MAGIC:
-        yield from _parquet_lines(path, what)
-        return
-    with open(path, "rb") as f:  # decoded line by line: a bad byte is reported at its line
+    with f:
+        if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC:
+            yield from _parquet_lines(path, what)
+            return
+        f.seek(0)
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark is not part of the row

@@ -108,17 +108,40 @@ def test_eval_dataset_with_its_own_reward_function():
     assert cfg.eval.datasets["exact"].rm_type == "exact_match" and cfg.eval.datasets["test"].rm_type is None
 
 
+def test_an_override_below_a_bare_path_merges_with_it():
+    """configs/tiny.yaml gives `test: data/arith/test.jsonl`: test.rm_type=... keeps that path."""
+    cfg = load_config("configs/tiny.yaml", ["eval.datasets.test.rm_type=exact_match", "eval.datasets.test.input_key=q"])
+    test = cfg.eval.datasets["test"]
+    assert (test.path, test.rm_type, test.input_key, test.label_key) == ("data/arith/test.jsonl", "exact_match", "q", None)
+
+
+def test_an_eval_set_reads_its_own_input_and_label_keys(tmp_path):
+    from pipeline.models.tokenizer import build_tiny_tokenizer
+    from pipeline.rollout.eval_data import load_eval_sets
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"q": "1+2=", "a": "3"}\n{"q": "2+2=", "a": "4"}\n')
+    cfg = load_config("configs/tiny.yaml", [f"eval.datasets.qa={{path: {data}, input_key: q, label_key: a}}"])
+    tok = build_tiny_tokenizer(str(tmp_path / "tok"))
+    qa, test = sorted(load_eval_sets(cfg, tok), key=lambda s: s.name)
+    assert [(p.text, p.label) for p in qa.prompts] == [("1+2=", "3"), ("2+2=", "4")]
+    assert test.stats.kept == 11 and test.prompts[0].label is not None  # data.input_key / label_key still
+
+
 @pytest.mark.parametrize("make, override, fragment", [
     (None, "eval.datasets.test=/nonexistent/test.jsonl", "eval.datasets.test '/nonexistent/test.jsonl' not found"),
-    ("", "eval.datasets.test={data}", "eval.datasets.test: {data}: no usable rows (file is empty)"),
-    ('{"question": "1+1="}\n', "eval.datasets.test={data}", "eval.datasets.test: {data}: no usable rows"),
+    ("", "eval.datasets.test={data}", "eval.datasets.test '{data}': no usable rows (file is empty)"),
+    ('{"question": "1+1="}\n', "eval.datasets.test={data}",
+     "eval.datasets.test '{data}': no usable rows (data: 0 of 1 rows of {data} kept; skipped 1: no 'prompt' field"
+     " (1: line 1)) (set eval.datasets.test.input_key to the field that holds the prompt)"),
+    (b'{"prompt": "caf\xe9"}\n', "eval.datasets.test={data}", "eval.datasets.test '{data}': line 1 is not UTF-8 text"),
     ('{"prompt": "1+1=", "label": "2"}\n', "eval.datasets.test={{path: {data}, rm_type: nosuch}}",
-     "eval.datasets.test: rm_type 'nosuch': not one of"),
+     "eval.datasets.test.rm_type 'nosuch': not one of"),
 ])
 def test_bad_eval_input_is_one_line_before_anything_starts(tmp_path, make, override, fragment):
     data = tmp_path / "eval.jsonl"
     if make is not None:
-        data.write_text(make)
+        data.write_bytes(make if isinstance(make, bytes) else make.encode())
     res = lockstep("run", "configs/tiny.yaml", f"run_dir={tmp_path}/run", override.format(data=data), timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

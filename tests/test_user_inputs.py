@@ -259,3 +259,84 @@ def test_rotary_buffers_older_checkpoints_carry_are_ignored_as_transformers_igno
     old = _resaved(model, tmp_path / "old", lambda s: {**s, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     loaded, reference = load_model(old)[1].state_dict(), load_model(model)[1].state_dict()
     assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)
+
+
+def test_the_tied_head_check_is_one_predicate_on_tensors_and_on_files(tmp_path):
+    """Loading (hf_io.check_tied, on tensors) and the launcher (hf_files.tied_head_differs, on the files)
+    decide with one predicate, hf_files.head_differs: a saved lm_head equal to the embedding may be tied,
+    another one (other values, in bfloat16 too, or another shape) may not."""
+    import torch
+
+    from pipeline.models.hf_files import head_differs, tied_head_differs, weight_names
+    from pipeline.models.hf_io import check_tied, read_state_dict
+
+    embed = "model.embed_tokens.weight"
+
+    def bf16_one_value_off(s):
+        e = s[embed].to(torch.bfloat16)
+        head = e.clone()
+        head[0, 0] += 1
+        return {**s, embed: e, "lm_head.weight": head}
+
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    edits = {"same": lambda s: {**s, "lm_head.weight": s[embed].clone()},
+             "other": lambda s: {**s, "lm_head.weight": torch.randn_like(s[embed])},
+             "bf16": bf16_one_value_off,
+             "shape": lambda s: {**s, "lm_head.weight": s[embed][:-1].clone()}}
+    for name, edit in edits.items():
+        d = _resaved(model, tmp_path / name, edit)
+        state = read_state_dict(d)
+        differs = head_differs(state[embed], state["lm_head.weight"])
+        assert tied_head_differs(d, weight_names(d)) == differs == (name != "same"), name
+        if differs:
+            with pytest.raises(UserError, match="lm_head.weight differs from model.embed_tokens.weight"):
+                check_tied(state[embed], state["lm_head.weight"], d)
+        else:
+            check_tied(state[embed], state["lm_head.weight"], d)
+    assert not head_differs(None, torch.ones(2)) and not head_differs(torch.ones(2), None)  # not saved: tied
+
+
+def test_fewer_prompts_than_a_step_takes_is_one_warning_before_the_run(tmp_path, caplog):
+    from pipeline.config import load_config
+    from pipeline.launch.prepare import check_data
+
+    small = write_rows(tmp_path / "small.jsonl", [{"prompt": f"{a}+1=", "label": str(a + 1)} for a in range(3)])
+    with caplog.at_level("WARNING", logger="lockstep.launch"):
+        check_data(load_config("configs/tiny.yaml", ["eval.datasets={}", "eval.interval=0"]), None)
+        assert not caplog.records  # train.jsonl has more than rollout_batch_size (32) prompts
+        check_data(load_config("configs/tiny.yaml", [f"data.prompt_data={small}", "eval.datasets={}",
+                                                     "eval.interval=0"]), None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "lockstep: data.prompt_data has 3 usable prompts, fewer than rollout.rollout_batch_size (32): each step"
+        " repeats them"]
+
+
+def test_an_engine_that_dies_of_a_user_error_is_not_restarted(tmp_path):
+    """A checkpoint the engine cannot load (config.json edited after the launcher's checks: a layer more
+    than the weights have) fails the same way every time: the engine exits with USER_ERROR_EXIT and its
+    one line, and the supervisor reports that line instead of restarting it engine.max_restarts times."""
+    from pipeline.config import load_config
+    from pipeline.errors import ComponentFailed
+    from pipeline.launch.component import USER_ERROR_EXIT
+    from pipeline.launch.local import RESTART_MARK, Supervisor, component_cmd
+    from pipeline.launch.prepare import prepare_run
+
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    _, rundir = prepare_run(load_config("configs/tiny.yaml", [f"model.path={model}", f"run_dir={tmp_path}/run"]))
+    config = json.loads(open(os.path.join(model, "config.json")).read())
+    config["num_hidden_layers"] += 1
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+    sup = Supervisor(rundir)
+    engine = sup.start_command("engine_0", component_cmd("engine", "--run-dir", rundir.root, "--index", "0"),
+                               restarts=3)
+    try:
+        engine.popen.wait(timeout=120)
+        with pytest.raises(ComponentFailed) as failed:
+            sup.check()
+    finally:
+        sup.stop_all()
+    assert failed.value.returncode == USER_ERROR_EXIT and engine.restarts_left == 3
+    assert ": UserError: " in str(failed.value) and "weights do not match the architecture" in str(failed.value)
+    log = open(engine.log_path).read()
+    assert RESTART_MARK not in log and "Traceback" not in log

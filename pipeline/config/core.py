@@ -263,6 +263,25 @@ def leaf_paths(cls: type, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _member_type(tp: Any, name: str) -> Any:
+    """The annotation of `name` one level below annotation `tp`: a section's field or a mapping's value
+    (Any when `tp` has no such member: the override's own checks name it later)."""
+    for member in _union_members(tp) or (tp,):
+        if _is_dataclass_type(member) and name in _hints(member):
+            return _hints(member)[name]
+        if get_origin(member) is dict:
+            return (get_args(member) or (Any, Any))[1]
+    return Any
+
+
+def _shorthand_section(tp: Any) -> type | None:
+    """The section of a `str | Section` annotation, whose bare string stands for the section's first
+    field (eval.datasets: `test: x.jsonl` is `test: {path: x.jsonl}`); None for other annotations."""
+    members = _union_members(tp) or (tp,)
+    sections = [m for m in members if _is_dataclass_type(m)]
+    return sections[0] if str in members and len(sections) == 1 else None
+
+
 def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` (or unique-leaf `c=value`) overrides to a raw config mapping."""
     data = dict(data)
@@ -283,9 +302,13 @@ def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {key!r} is ambiguous: name its section (section.{key}=...)")
             key = leaves[key]
         parts = key.split(".")
-        node = data
+        node, tp = data, cls
         for part in parts[:-1]:
+            tp = _member_type(tp, part)
             child = node.get(part)
+            section = _shorthand_section(tp)
+            if isinstance(child, str) and section is not None:  # `test: x.jsonl`, then test.rm_type=...
+                child = {dataclasses.fields(section)[0].name: child}
             child = dict(child) if isinstance(child, dict) else {}
             node[part] = child
             node = child

@@ -542,10 +542,14 @@ EVAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 @dataclass
 class EvalDatasetConfig:
     path: str = ""
-    """JSONL file of held-out prompts, rows as in data.prompt_data (data.input_key, data.label_key,
+    """JSONL file of held-out prompts, rows as in data.prompt_data (input_key and label_key below,
     data.metadata_key)."""
     rm_type: str | None = None
     """Reward function of this set (as rollout.rm_type); null: rollout.rm_type."""
+    input_key: str | None = None
+    """Field holding the prompt in this set's rows (as data.input_key); null: data.input_key."""
+    label_key: str | None = None
+    """Field holding the reference answer in this set's rows (as data.label_key); null: data.label_key."""
 
     def __post_init__(self):
         if not str(self.path).strip():
@@ -560,8 +564,9 @@ class EvalConfig:
     evaluates eval.datasets on the result). Metrics go into the record of the step evaluated (the last
     step's record carries the final weights' evaluation)."""
     datasets: dict[str, str | EvalDatasetConfig] = field(default_factory=dict)
-    """name -> JSONL path (or {path, rm_type}) of held-out prompts (Miles: --eval-prompt-data NAME PATH
-    ...). Metrics are eval/<name>/*, per-sample results run_dir/eval/step_K/<name>.jsonl."""
+    """name -> JSONL path (or {path, rm_type, input_key, label_key}; null: rollout.rm_type, data.input_key,
+    data.label_key) of held-out prompts (Miles: --eval-prompt-data NAME PATH ...). Metrics are
+    eval/<name>/*, per-sample results run_dir/eval/step_K/<name>.jsonl."""
     n_samples_per_prompt: int = 1
     """Responses per eval prompt; pass@k is reported for k = 1, 2, 4, ... up to it (Miles:
     --n-samples-per-eval-prompt)."""

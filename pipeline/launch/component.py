@@ -5,7 +5,9 @@
   python -m pipeline.launch.component trainer --run-dir D      (torchrun-style env: RANK, WORLD_SIZE, ...;
                                                                 algo.loss_type=sft_loss: the SFT trainer)
 Each reads the resolved config the launcher wrote into D, and finds the others (and the run's token)
-through D (pipeline.run.RunDir).
+through D (pipeline.run.RunDir). One that dies of a UserError (a checkpoint that does not match its
+config.json, ...) writes its one line and exits with USER_ERROR_EXIT, as the CLI does: the same
+process started again would die of it again, so supervisors do not restart it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import os
 import signal
 import sys
 
+from pipeline.errors import UserError
 from pipeline.run import RunDir, bind_address, free_port
 from pipeline.run.heartbeat import Heartbeat
 from pipeline.utils.proc import exit_without_finalizing
+
+USER_ERROR_EXIT = 2  # the exit status of a component that died of a UserError (the CLI's too)
 
 
 def engine_argv(cfg, run_dir: str, index: int) -> list[str]:
@@ -81,6 +86,14 @@ def trainer_env_from_slurm(run_dir: str) -> None:
 
 
 def main(argv=None) -> None:
+    try:
+        run_component(argv)
+    except UserError as e:  # deterministic: its one line, and no restart (USER_ERROR_EXIT)
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def run_component(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=["engine", "rollout", "trainer"])
     p.add_argument("--run-dir", required=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pipeline.config.schema import RunConfig
 from pipeline.errors import ComponentFailed
+from pipeline.launch.component import USER_ERROR_EXIT
 from pipeline.observability.metrics import read_metrics
 from pipeline.observability.report import ProgressBar
 from pipeline.run import RunDir, free_port
@@ -74,11 +75,12 @@ class Supervisor:
             logf.close()
 
     def restart_dead(self) -> list[str]:
-        """Restart processes that may be restarted and have died; returns their names."""
+        """Restart processes that may be restarted and have died, unless of a UserError (USER_ERROR_EXIT:
+        it would die of it again); returns their names."""
         restarted = []
         for p in self.procs:
             rc = p.popen.poll()
-            if rc is not None and rc != 0 and p.restarts_left > 0 and not self.stopping:
+            if rc not in (None, 0, USER_ERROR_EXIT) and p.restarts_left > 0 and not self.stopping:
                 p.restarts_left -= 1
                 log.warning("%s died (exit %s); restarting it (%d restarts left)", p.name, rc, p.restarts_left)
                 self.restart(p, f"exit status {rc}")

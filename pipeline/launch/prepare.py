@@ -91,7 +91,7 @@ def check_weights_present(model_dir: str, tied: bool = False) -> None:
 def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
     """Parse and tokenize every row as the rollout manager (or, for SFT, the trainer) will:
     data.on_bad_row=error stops here in one line; skipped rows are reported once (count per reason,
-    first lines)."""
+    first lines), and fewer usable rows than a step takes is a warning."""
     import tempfile
 
     from pipeline.models.tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -127,6 +127,9 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
             print(f"lockstep: {st.report()}", file=sys.stderr)
         else:
             log.info("lockstep: %s", st.report())
+    if stats[0].kept < cfg.rollout.rollout_batch_size:  # the stream of epochs wraps within a step
+        log.warning("lockstep: data.prompt_data has %d usable %s, fewer than rollout.rollout_batch_size (%d): each step"
+                    " repeats them", stats[0].kept, "rows" if cfg.sft else "prompts", cfg.rollout.rollout_batch_size)
 
 
 def check_memory(cfg: RunConfig, profile=None) -> None:

@@ -52,10 +52,19 @@ def weight_names(model_dir: str) -> dict[str, str]:
     return names
 
 
+def head_differs(embedding, lm_head) -> bool:
+    """Whether a saved lm_head.weight (a torch tensor, None when not saved) is not the embedding it is
+    tied to: transformers then keeps it untied, and dropping it would train another model."""
+    import torch  # late: the launcher's checks import this module without torch
+
+    if embedding is None or lm_head is None:
+        return False
+    return embedding.shape != lm_head.shape or not torch.equal(embedding, lm_head)
+
+
 def tied_head_differs(model_dir: str, names: dict[str, str]) -> bool:
-    """Whether the checkpoint saves an lm_head.weight that is not its embedding (reads those two tensors
-    only; False when either is absent)."""
-    import torch
+    """head_differs on the checkpoint's files: reads those two tensors only (as torch tensors: numpy has
+    no bfloat16); False when either is absent."""
     from safetensors import safe_open
 
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
@@ -65,7 +74,7 @@ def tied_head_differs(model_dir: str, names: dict[str, str]) -> bool:
     for name in (embed, head):
         with safe_open(os.path.join(model_dir, names[name]), framework="pt") as f:
             tensors.append(f.get_tensor(name))
-    return tensors[0].shape != tensors[1].shape or not torch.equal(tensors[0], tensors[1])
+    return head_differs(*tensors)
 
 
 def tied_head_error(source: str) -> UserError:

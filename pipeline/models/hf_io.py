@@ -21,7 +21,7 @@ from pipeline.models.config import ModelArgs
 from pipeline.models.fp8 import SCALE_SUFFIX
 from pipeline.utils.fs import atomic_dir
 from pipeline.models.hf_config import read_model_args, write_hf_config  # noqa: F401 (read_model_args: kept importable here)
-from pipeline.models.hf_files import IGNORED_SUFFIXES, INDEX_NAME, SINGLE_NAME, tied_head_error, weight_files  # noqa: F401
+from pipeline.models.hf_files import IGNORED_SUFFIXES, INDEX_NAME, SINGLE_NAME, head_differs, tied_head_error, weight_files  # noqa: F401
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -139,9 +139,7 @@ def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: s
 def check_tied(embedding: torch.Tensor | None, lm_head: torch.Tensor | None, source: str) -> None:
     """config.json ties the LM head to the embedding: a saved lm_head.weight must then be the embedding
     (transformers keeps a different one untied; Lockstep would drop it and train another model)."""
-    if embedding is None or lm_head is None:
-        return
-    if embedding.shape != lm_head.shape or not torch.equal(embedding, lm_head):
+    if head_differs(embedding, lm_head):
         raise tied_head_error(source)
 
 

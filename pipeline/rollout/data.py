@@ -137,34 +137,39 @@ class DatasetStats:
 
 class PromptDataset:
     """`label_for`: the reward function's name when it compares the response with the row's label (a
-    built-in one): a row without data.label_key is then unusable, not a prompt rewarded 0 every time."""
+    built-in one): a row without data.label_key is then unusable, not a prompt rewarded 0 every time.
+    `what`: the option that named the file, in every error (data.prompt_data, or eval.datasets.<name>,
+    whose input_key / label_key the hints then name)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seed: int, label_for: str | None = None):
-        self.cfg, self.tokenizer, self.seed, self.label_for = cfg, tokenizer, seed, label_for
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seed: int, label_for: str | None = None,
+                 what: str = "data.prompt_data"):
+        self.cfg, self.tokenizer, self.seed, self.label_for, self.what = cfg, tokenizer, seed, label_for, what
         self.prompts, self.stats = self._load()
         self._orders: dict[int, np.ndarray] = {}
         if not self.prompts:
-            hint = (" (set data.input_key to the field that holds the prompt)"
+            keys = what.removesuffix(".prompt_data")  # the section of input_key / label_key
+            hint = (f" (set {keys}.input_key to the field that holds the prompt)"
                     if f"no {cfg.input_key!r} field" in self.stats.skipped else
-                    " (set data.label_key to the field that holds the answer)"
+                    f" (set {keys}.label_key to the field that holds the answer)"
                     if any(r.startswith(f"no {cfg.label_key!r} field") for r in self.stats.skipped) else
                     " (Lockstep reads JSONL: one JSON object per line, not a JSON array)"
                     if self.stats.starts_with_array else "")
-            raise UserError(f"{cfg.prompt_data}: no usable rows ({self.stats.report() if self.stats.rows else 'file is empty'})"
-                            + hint)
+            raise UserError(f"{what} {cfg.prompt_data!r}: no usable rows"
+                            f" ({self.stats.report() if self.stats.rows else 'file is empty'})" + hint)
 
     def _load(self) -> tuple[list[Prompt], DatasetStats]:
         cfg = self.cfg
         stats = DatasetStats(path=cfg.prompt_data)
         prompts: list[Prompt] = []
-        for lineno, line in read_lines(cfg.prompt_data):
+        for lineno, line in read_lines(cfg.prompt_data, self.what):
             if stats.rows == 0:
                 stats.starts_with_array = line.lstrip().startswith("[")
             stats.rows += 1
             problem, prompt = self._parse(line, len(prompts))
             if problem:
                 if cfg.on_bad_row == "error":
-                    raise UserError(f"{cfg.prompt_data}:{lineno}: {problem} (set data.on_bad_row=skip to skip such rows)")
+                    raise UserError(f"{self.what} {cfg.prompt_data}:{lineno}: {problem} (set data.on_bad_row=skip to"
+                                    " skip such rows)")
                 stats.skip(problem, lineno)
                 continue
             prompts.append(prompt)

@@ -8,7 +8,7 @@ evaluation complete; a rerun (resume) skips an evaluation whose summary is there
 neither lost nor doubled.
 
 Rows, input_key / label_key and reward functions are the training data's (an eval set may name its
-own rm_type). Sampling seeds are a pure function of (rollout_seed, set name, step, prompt, sample), so
+own rm_type, input_key and label_key). Sampling seeds are a pure function of (rollout_seed, set name, step, prompt, sample), so
 an evaluation is reproducible and independent of batching and of which engine answers.
 """
 

@@ -108,7 +108,8 @@ def label_for(rm_type: str) -> str | None:
     return rm_type if rm_type in REGISTRY else None
 
 
-def resolve_reward(name: str) -> RewardFn:
+def resolve_reward(name: str, what: str = "rollout.rm_type") -> RewardFn:
+    """The reward function `name` names; `what`, the option that gave it, starts every error."""
     if name in REGISTRY:
         return REGISTRY[name]
     if name.startswith("remote:"):
@@ -120,14 +121,14 @@ def resolve_reward(name: str) -> RewardFn:
     elif "." in name:
         module, _, attr = name.rpartition(".")
     else:
-        raise UserError(f"rollout.rm_type {name!r}: not one of {sorted(REGISTRY)}, a 'module:function' path"
+        raise UserError(f"{what} {name!r}: not one of {sorted(REGISTRY)}, a 'module:function' path"
                         " or 'remote:URL'")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise UserError(f"rollout.rm_type {name!r}: cannot import ({e})") from None
+        raise UserError(f"{what} {name!r}: cannot import ({e})") from None
     if not callable(fn):
-        raise UserError(f"rollout.rm_type {name!r} is not callable")
+        raise UserError(f"{what} {name!r} is not callable")
     return fn
 
 

@@ -162,6 +162,15 @@ def test_recovery_restarts_then_requeues_without_the_node_then_gives_up():
     assert safe_exclusions(["n1"], partition_nodes=0, needed_nodes=2) == []
 
 
+def test_a_user_error_is_not_restarted_moved_or_requeued():
+    policy = RecoveryPolicy(engine_restarts=3, restarts=3, attempt=1, max_attempts=3,
+                            pools={"rollout": SparePool(["n1", "n2"], needed=1)})
+    action, why = policy.decide(Failure("engine_0", "n1", "exit status 2", user_error=True))
+    assert action is Action.FAIL and why.startswith("engine_0 failed on a user error")
+    assert policy.used["engine_0"] == 0 and not policy.pools["rollout"].bad  # no restart or spare spent
+    assert policy.decide(Failure("engine_0", "n1", "exit status 1"))[0] is Action.RESTART
+
+
 def test_a_bad_nodes_steps_move_to_one_spare_until_none_is_left():
     pools = {"rollout": SparePool(["n2", "n3", "n4"], needed=1)}  # slurm.rollout: nodes 1, spare_nodes 2
     policy = RecoveryPolicy(engine_restarts=3, restarts=2, attempt=1, max_attempts=2, pools=pools)

@@ -36,6 +36,7 @@ from collections import Counter
 
 from pipeline.config import load_resolved
 from pipeline.errors import ComponentFailed
+from pipeline.launch.component import USER_ERROR_EXIT
 from pipeline.launch.local import Proc, Supervisor, tail
 from pipeline.launch.slurm import jobctl
 from pipeline.launch.slurm.profile import load_profile
@@ -203,7 +204,9 @@ class SlurmDriver(Checkpointable):
             self.hung.pop(step, None)
             f = Failure(step, down, "node failure", node_down=True)
         else:
-            f = Failure(step, self.node_of(step, p), self.hung.pop(step, None) or f"exit status {rc}")
+            hung = self.hung.pop(step, None)
+            f = Failure(step, self.node_of(step, p), hung or f"exit status {rc}",
+                        user_error=hung is None and rc == USER_ERROR_EXIT)
         action, why = self.policy.decide(f)
         event = {"event": "failure", "job": self.job, "attempt": self.attempt, "component": f.step, "node": f.node,
                  "reason": f.reason, "action": action.value, "why": why, "step": self.last_step()}

@@ -9,6 +9,9 @@ tests feed it stories.
                      of its component when one is left (slurm.<component>.spare_nodes); else, like a
                      component out of restarts: requeue the job (up to slurm.max_requeues times)
                      excluding the nodes that failed; after the last attempt: give up.
+  a user error       (the component exited with USER_ERROR_EXIT: a checkpoint that does not match its
+                     config, ...): give up at once, naming it; a restart, a spare or a requeue would
+                     fail the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Failure:
     node: str | None  # where it happened, when known
     reason: str  # "exit status 137", "no heartbeat for 63 s", "node failure", ...
     node_down: bool = False  # Slurm took the node away (srun: "Node failure on n2")
+    user_error: bool = False  # it died of a UserError (component.USER_ERROR_EXIT): deterministic
 
 
 def component_of(step: str) -> str:
@@ -84,6 +88,8 @@ class RecoveryPolicy:
 
     def decide(self, f: Failure) -> tuple[Action, str]:
         """The action, and why (one phrase for the event log and the user)."""
+        if f.user_error:
+            return Action.FAIL, f"{f.step} failed on a user error: starting it again would fail the same way"
         if f.node:
             self.node_failures[f.node] += 1
         bad = f.node and (f.node_down or self.node_failures[f.node] >= 2)

@@ -340,3 +340,29 @@ def test_an_engine_that_dies_of_a_user_error_is_not_restarted(tmp_path):
     assert ": UserError: " in str(failed.value) and "weights do not match the architecture" in str(failed.value)
     log = open(engine.log_path).read()
     assert RESTART_MARK not in log and "Traceback" not in log
+
+
+def test_content_given_as_parts_is_its_text_and_other_parts_are_refused(tmp_path, tok):
+    """OpenAI-style content parts: a text-only template would print the list's repr (or drop it)."""
+    parts = [{"type": "text", "text": "2+2="}, {"type": "text", "text": "answer:"}]
+    rows = [{"prompt": [{"role": "user", "content": parts}], "label": "4"},
+            {"prompt": [{"role": "user", "content": ["3+3="]}], "label": "6"},
+            {"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], "label": "1"},
+            {"prompt": [{"role": "user", "content": 7}], "label": "1"}]
+    ds = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "parts.jsonl", rows)), tok, seed=0)
+    assert ds.prompts[0].text == tok.apply_chat_template([{"role": "user", "content": "2+2=\nanswer:"}])
+    assert ds.prompts[1].text == tok.apply_chat_template([{"role": "user", "content": "3+3="}])
+    assert ds.stats.skipped == {"a message has a 'image_url' content part (only text parts are read)": 1,
+                                "a message's content is neither text nor a list of parts": 1}
+
+
+def test_sft_chat_rows_with_content_parts_train_on_their_text(tmp_path, tok):
+    from pipeline.rollout.sft_data import SftDataset
+
+    plain = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "2+2="}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]
+    ds = SftDataset(DataConfig(prompt_data=write_rows(tmp_path / "sft.jsonl", [{"messages": plain}, {"messages": parts}]),
+                               input_key="messages"), tok, seed=0, max_len=256)
+    a, b = ds.prompts
+    assert (a.prompt_ids, a.response_ids, a.loss_mask) == (b.prompt_ids, b.response_ids, b.loss_mask)

@@ -108,6 +108,31 @@ def is_chat(value) -> bool:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
+def text_messages(messages: list[dict]) -> tuple[str | None, list[dict]]:
+    """(why they cannot be read, or None; the messages with each content a string). A content given as a
+    list of parts (the OpenAI form: {"type": "text", "text": ...}, or bare strings) becomes its text parts
+    joined by newlines, as vLLM does for a text-only chat template: most such templates would otherwise
+    print the list's repr or drop it. Other parts (images, audio) are refused: Lockstep trains text models.
+    A None content (an assistant turn with tool calls only) stays None."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type", "text") if isinstance(part, dict) else "text" if isinstance(part, str) else None
+                text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(text, str):
+                    return (f"a message has a {kind!r} content part (only text parts are read)" if isinstance(kind, str)
+                            else "a message's content list holds something other than parts"), messages
+                texts.append(text)
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            return "a message's content is neither text nor a list of parts", messages
+        out.append(m)
+    return None, out
+
+
 @dataclass
 class DatasetStats:
     """What loading a prompt file kept and skipped: a count per reason and the first lines of each."""
@@ -182,6 +207,10 @@ class PromptDataset:
         problem, row, raw = parse_row(line, cfg.input_key)
         if problem:
             return problem, None
+        if is_chat(raw):
+            problem, raw = text_messages(raw)
+            if problem:
+                return problem, None
         if is_chat(raw) or (cfg.apply_chat_template and isinstance(raw, str)):
             if not self.tokenizer.chat_template:
                 return "chat messages, but the tokenizer has no chat template", None

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pipeline.buffer.schema import RolloutBatch, Sample
 from pipeline.config.schema import DataConfig
 from pipeline.models.tokenizer import Tokenizer
-from pipeline.rollout.data import MISSING, PromptDataset, field_at, is_chat, parse_row
+from pipeline.rollout.data import MISSING, PromptDataset, field_at, is_chat, parse_row, text_messages
 
 
 @dataclass
@@ -90,6 +90,9 @@ class SftDataset(PromptDataset):
                 return "empty response", None
             return self._fit(index, prompt_ids, response_ids + [tok.eos_token_id], [1] * (len(response_ids) + 1))
         messages = [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+        problem, messages = text_messages(messages)
+        if problem:
+            return problem, None
         if response is not MISSING:
             messages.append({"role": "assistant", "content": response})
         segments = chat_segments(tok, messages)

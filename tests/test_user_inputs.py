@@ -111,12 +111,52 @@ def test_checkpoints_and_configs_that_cannot_train_are_refused_in_one_line(tmp_p
     assert "model.path is empty" in refused("model.path=", f"run_dir={tmp_path}/b")
     assert "n_samples_per_prompt=1 leaves none" in refused("rollout.n_samples_per_prompt=1", "global_batch_size=32",
                                                            f"run_dir={tmp_path}/c")
-    small = tmp_path / "small-vocab"
-    shutil.copytree(model, small)
-    cfg = json.loads((small / "config.json").read_text())
+    # a model of 10 rows (config.json and weights agree) with a tokenizer of more: its ids would index past them
+    small = _resaved(model, tmp_path / "small-vocab",
+                     lambda state: {k: v[:10].clone() if k in ("model.embed_tokens.weight", "lm_head.weight") else v
+                                    for k, v in state.items()})
+    cfg = json.loads((tmp_path / "small-vocab" / "config.json").read_text())
     cfg["vocab_size"] = 10
-    (small / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "small-vocab" / "config.json").write_text(json.dumps(cfg))
     assert "do not belong together" in refused(f"model.path={small}", f"run_dir={tmp_path}/d")
+
+
+def test_a_config_json_of_another_model_is_refused_from_the_headers(tmp_path):
+    """config.json copied from another size: more layers than the weights hold, or another width or
+    vocabulary than the embedding's. The launcher refuses it from the safetensors headers (nothing read),
+    in one line, before an engine starts; the loader would have found it only after launch."""
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    base = json.loads(open(os.path.join(model, "config.json")).read())
+    for name, edit, expected in [
+            ("layers", {"num_hidden_layers": base["num_hidden_layers"] + 2},
+             f"config.json says num_hidden_layers: {base['num_hidden_layers'] + 2}, but the weights have no layer"
+             f" {base['num_hidden_layers']}, {base['num_hidden_layers'] + 1}"),
+            ("width", {"hidden_size": base["hidden_size"] * 2, "head_dim": base.get("head_dim") or
+                       base["hidden_size"] // base["num_attention_heads"]},
+             f"is {base['vocab_size']} x {base['hidden_size']}, but config.json says vocab_size {base['vocab_size']},"
+             f" hidden_size {base['hidden_size'] * 2}")]:
+        bad = tmp_path / name
+        shutil.copytree(model, bad)
+        (bad / "config.json").write_text(json.dumps(dict(base, **edit)))
+        err = refused(f"model.path={bad}", f"run_dir={tmp_path}/run_{name}")
+        assert expected in err and "another model" in err, err
+        assert not os.path.exists(tmp_path / f"run_{name}" / "logs"), "refused before anything started"
+    fewer = tmp_path / "fewer"  # fewer layers in config.json than in the weights
+    shutil.copytree(model, fewer)
+    (fewer / "config.json").write_text(json.dumps(dict(base, num_hidden_layers=base["num_hidden_layers"] - 1)))
+    err = refused(f"model.path={fewer}", f"run_dir={tmp_path}/run_fewer")
+    assert (f"the weights hold layers 0-{base['num_hidden_layers'] - 1}, but config.json says num_hidden_layers:"
+            f" {base['num_hidden_layers'] - 1}") in err, err
+
+
+def test_mtp_layers_after_the_decoders_are_not_a_mismatch():
+    from pipeline.models.hf_files import config_mismatch
+
+    names = dict.fromkeys([f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)], "f")
+    assert config_mismatch(names, [100, 8], layers=3, vocab=100, hidden=8, mtp_layers=1) is None  # DeepSeek's nextn
+    assert config_mismatch(names, [100, 8], layers=4, vocab=100, hidden=8, mtp_layers=1) is None  # published without it
+    assert "hold layers 0-3" in config_mismatch(names, [100, 8], layers=3, vocab=100, hidden=8)
+    assert config_mismatch({}, None, layers=3, vocab=100, hidden=8) is None  # names it does not know: the loader's
 
 
 def test_the_launchers_checks_do_not_import_torch(dense_dir, tmp_path):

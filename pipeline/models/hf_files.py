@@ -1,11 +1,13 @@
 """The weight files of a Hugging Face checkpoint directory, read without torch (the launcher's checks):
-which safetensors files there are, and the tensor names their headers list.
+which safetensors files there are, the tensor names their headers list, and whether the headers agree
+with config.json (layers, embedding shape).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 from pipeline.errors import UserError
 
@@ -50,6 +52,42 @@ def weight_names(model_dir: str) -> dict[str, str]:
             raise UserError(f"{os.path.join(model_dir, file)!r} is not a readable safetensors file (truncated or"
                             f" incomplete download?): {e}") from None
     return names
+
+
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+EMBED_NAME = "model.embed_tokens.weight"
+
+
+def tensor_shape(model_dir: str, names: dict[str, str], name: str) -> list[int] | None:
+    """A tensor's shape from its file's header (nothing read); None when the checkpoint has no such tensor."""
+    from safetensors import safe_open
+
+    if name not in names:
+        return None
+    with safe_open(os.path.join(model_dir, names[name]), framework="numpy") as f:
+        return list(f.get_slice(name).get_shape())
+
+
+def config_mismatch(names: dict[str, str], embed_shape: list[int] | None, layers: int, vocab: int,
+                    hidden: int, mtp_layers: int = 0) -> str | None:
+    """Why the weights cannot be the model config.json describes (its decoder layers, its MTP layers,
+    which DeepSeek numbers after the decoder's, its vocabulary and width), as the tensor names and the
+    embedding's shape show; None when they can be. Pure. MTP layers config.json names but the weights lack
+    are not a mismatch (checkpoints are often published without them; the loader says what they are for)."""
+    have = {int(m.group(1)) for n in names if (m := LAYER_NAME.match(n))}
+    if have:
+        missing = sorted(set(range(layers)) - have)
+        if missing:
+            return (f"config.json says num_hidden_layers: {layers}, but the weights have no layer"
+                    f" {', '.join(map(str, missing[:3]))}{', ...' if len(missing) > 3 else ''} (they hold layers"
+                    f" 0-{max(have)}): a config.json of another model?")
+        if max(have) >= layers + mtp_layers:
+            return (f"the weights hold layers 0-{max(have)}, but config.json says num_hidden_layers: {layers}"
+                    f"{f' (+ {mtp_layers} MTP)' if mtp_layers else ''}: a config.json of another model?")
+    if embed_shape is not None and embed_shape != [vocab, hidden]:
+        return (f"{EMBED_NAME} is {embed_shape[0]} x {embed_shape[1]}, but config.json says vocab_size {vocab},"
+                f" hidden_size {hidden}: a config.json of another model?")
+    return None
 
 
 def head_differs(embedding, lm_head) -> bool:

@@ -406,3 +406,17 @@ def test_sft_chat_rows_with_content_parts_train_on_their_text(tmp_path, tok):
                                input_key="messages"), tok, seed=0, max_len=256)
     a, b = ds.prompts
     assert (a.prompt_ids, a.response_ids, a.loss_mask) == (b.prompt_ids, b.response_ids, b.loss_mask)
+
+
+def test_characters_the_tiny_tokenizer_lacks_are_counted_not_silent(tmp_path, tok):
+    """model.init's character tokenizer knows digits, lower case and a few signs: other text reads as <unk>,
+    so the model cannot tell "A" from "B". Kept (it may be intended), but counted and named by line."""
+    rows = [{"prompt": "1+2=", "label": "3"}, {"prompt": "What is 1+2?", "label": "3"}, {"prompt": "2+2=", "label": "4"},
+            {"prompt": "zwölf+1=", "label": "13"}]
+    ds = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "unk.jsonl", rows)), tok, seed=0)
+    assert tok.unk_token_id is not None and ds.stats.kept == 4
+    assert (ds.stats.unknown, ds.stats.unknown_lines) == (2, [2, 4])
+    assert "2 of them hold characters the tokenizer does not know, read as its unknown token: lines 2, 4" \
+        in ds.stats.report()
+    clean = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "ok.jsonl", rows[::2])), tok, seed=0)
+    assert clean.stats.unknown == 0 and "unknown" not in clean.stats.report()

@@ -130,7 +130,7 @@ def check_data(cfg: RunConfig, model_vocab: int | None) -> None:
 
         stats += [s.stats for s in load_eval_sets(cfg, tok)]
     for st in stats:
-        if st.skipped:
+        if st.skipped or st.unknown:
             print(f"lockstep: {st.report()}", file=sys.stderr)
         else:
             log.info("lockstep: %s", st.report())

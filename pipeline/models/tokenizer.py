@@ -26,6 +26,7 @@ class Tokenizer:
     pad_token_id: int
     bos_token_id: int | None = None
     chat_template: str | None = None
+    unk_token_id: int | None = None  # what text the vocabulary lacks becomes (the tiny tokenizer's <unk>)
 
     @property
     def special_ids(self) -> set[int]:
@@ -90,6 +91,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         pad_token_id=pad if pad is not None else eos,
         bos_token_id=special("bos_token"),
         chat_template=read_chat_template(model_dir, cfg),
+        unk_token_id=special("unk_token"),
     )
 
 

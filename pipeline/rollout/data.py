@@ -143,6 +143,8 @@ class DatasetStats:
     skipped: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[int]] = field(default_factory=dict)  # reason -> first line numbers
     starts_with_array: bool = False  # the first row begins with "[": a JSON array, not JSONL
+    unknown: int = 0  # kept rows holding text the tokenizer reads as its unknown token
+    unknown_lines: list[int] = field(default_factory=list)  # the first of them
 
     def skip(self, reason: str, lineno: int) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -153,6 +155,10 @@ class DatasetStats:
     def report(self) -> str:
         """`data: 998 of 1000 rows of train.jsonl kept; skipped 2: invalid JSON (2: lines 4, 9)`."""
         head = f"data: {self.kept} of {self.rows} rows of {self.path} kept"
+        if self.unknown:
+            lines = ", ".join(map(str, self.unknown_lines)) + (", ..." if self.unknown > len(self.unknown_lines) else "")
+            head += (f" ({self.unknown} of them hold characters the tokenizer does not know, read as its unknown"
+                     f" token: line{'s' if self.unknown > 1 else ''} {lines})")
         if not self.skipped:
             return head
         reasons = "; ".join(f"{reason} ({n}: line{'s' if n > 1 else ''} {', '.join(map(str, self.examples[reason]))}"
@@ -198,6 +204,11 @@ class PromptDataset:
                 stats.skip(problem, lineno)
                 continue
             prompts.append(prompt)
+            unk = self.tokenizer.unk_token_id
+            if unk is not None and unk in self._ids(prompt):
+                stats.unknown += 1
+                if len(stats.unknown_lines) < 3:
+                    stats.unknown_lines.append(lineno)
         stats.kept = len(prompts)
         return prompts, stats
 
@@ -233,6 +244,10 @@ class PromptDataset:
             return f"no {cfg.label_key!r} field (rm_type {self.label_for} compares the response with it)", None
         return None, Prompt(index=index, input_ids=ids, label=None if label is MISSING else label,
                             metadata=metadata, text=text)
+
+    def _ids(self, prompt: Prompt) -> list[int]:
+        """The token ids a kept row became (checked for the unknown token)."""
+        return prompt.input_ids
 
     def __len__(self) -> int:
         return len(self.prompts)

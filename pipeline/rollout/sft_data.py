@@ -105,6 +105,9 @@ class SftDataset(PromptDataset):
         mask = [int(target) for ids, target in segments[1:] for _ in ids]
         return self._fit(index, prompt_ids, response_ids, mask)
 
+    def _ids(self, ex: SftExample) -> list[int]:
+        return ex.prompt_ids + ex.response_ids
+
     def _fit(self, index: int, prompt_ids: list[int], response_ids: list[int], mask: list[int]):
         if len(prompt_ids) + len(response_ids) > self.max_len:
             return (f"prompt+response longer than data.max_prompt_len + rollout.rollout_max_response_len"

@@ -99,7 +99,8 @@ def run_mode(model, args, a, device, dtype, bi: bool) -> dict:
         rollout(graphs, requests(a.batch, a.prompt, 4, args.vocab_size), device)  # warm-up (compiles, caches)
         served = rollout(graphs, requests(a.batch, a.prompt, a.new, args.vocab_size), device)
         del graphs
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         eager = Engine(model, max_running=a.batch, context_length=ctx, eos_token_ids=[0], device=device, dtype=dtype,
                        cuda_graph_max_bs=0, grouped_experts=args.is_moe)
         rollout(eager, requests(a.batch, a.prompt, 4, args.vocab_size), device)

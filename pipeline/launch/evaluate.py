@@ -81,8 +81,7 @@ def run_eval(target: str, datasets: list[str], overrides: list[str], out_dir: st
 
     from pipeline.models.hf_config import read_model_args
 
-    args = read_model_args(model_dir)
-    check_weights_present(model_dir, tied=args.tie_word_embeddings, args=args)
+    check_weights_present(model_dir, read_model_args(model_dir))
     tokenizer = load_tokenizer(model_dir)
     sets = load_eval_sets(cfg, tokenizer)  # bad data or reward refused before an engine starts
     scratch = RunDir(tempfile.mkdtemp(prefix="lockstep-eval-"))

@@ -62,7 +62,7 @@ def check_inputs(cfg: RunConfig) -> None:
 
         args = read_model_args(cfg.model.path)
         validate(cfg, args)
-        check_weights_present(cfg.model.path, tied=args.tie_word_embeddings, args=args)
+        check_weights_present(cfg.model.path, args)
         if not os.path.exists(os.path.join(cfg.model.path, "tokenizer.json")):
             raise UserError(f"model.path {cfg.model.path!r} has no tokenizer.json")
         vocab = args.vocab_size
@@ -71,22 +71,21 @@ def check_inputs(cfg: RunConfig) -> None:
     check_data(cfg, vocab)
 
 
-def check_weights_present(model_dir: str, tied: bool = False, args=None) -> None:
-    """Safetensors weights there, every shard the index names present with a readable header, (given the
-    config's ModelArgs) the layers and embedding shape config.json describes, and (a tied LM head) no
-    saved lm_head.weight that differs from the embedding: one line each if not."""
+def check_weights_present(model_dir: str, args) -> None:
+    """Safetensors weights there, every shard the index names present with a readable header, the layers
+    and embedding shape config.json describes (`args`: its ModelArgs), and (a tied LM head) no saved
+    lm_head.weight that differs from the embedding: one line each if not."""
     from pipeline.models.hf_files import (EMBED_NAME, config_mismatch, tensor_shape, tied_head_differs,
                                           tied_head_error, weight_names)
 
     names = os.listdir(model_dir)
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         tensors = weight_names(model_dir)
-        if args is not None:
-            why = config_mismatch(tensors, tensor_shape(model_dir, tensors, EMBED_NAME), args.num_hidden_layers,
-                                  args.vocab_size, args.hidden_size, args.mtp_num_hidden_layers)
-            if why:
-                raise UserError(f"model.path {model_dir!r}: {why}")
-        if tied and tied_head_differs(model_dir, tensors):
+        why = config_mismatch(tensors, tensor_shape(model_dir, tensors, EMBED_NAME), args.num_hidden_layers,
+                              args.vocab_size, args.hidden_size, args.mtp_num_hidden_layers)
+        if why:
+            raise UserError(f"model.path {model_dir!r}: {why}")
+        if args.tie_word_embeddings and tied_head_differs(model_dir, tensors):
             raise tied_head_error(f"model.path {model_dir!r}")
         return
     legacy = [n for n in names if n.endswith((".bin", ".pt", ".pth"))]

@@ -105,7 +105,7 @@ def tied_head_differs(model_dir: str, names: dict[str, str]) -> bool:
     no bfloat16); False when either is absent."""
     from safetensors import safe_open
 
-    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    embed, head = EMBED_NAME, "lm_head.weight"
     if embed not in names or head not in names:
         return False
     tensors = []

@@ -120,11 +120,16 @@ def text_messages(messages: list[dict]) -> tuple[str | None, list[dict]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                kind = part.get("type", "text") if isinstance(part, dict) else "text" if isinstance(part, str) else None
-                text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+                if isinstance(part, str):
+                    kind, text = "text", part
+                elif isinstance(part, dict):
+                    kind, text = part.get("type", "text"), part.get("text")
+                else:
+                    kind = text = None
+                if not isinstance(kind, str):
+                    return "a message's content list holds something other than parts", messages
                 if kind != "text" or not isinstance(text, str):
-                    return (f"a message has a {kind!r} content part (only text parts are read)" if isinstance(kind, str)
-                            else "a message's content list holds something other than parts"), messages
+                    return f"a message has a {kind!r} content part (only text parts are read)", messages
                 texts.append(text)
             m = {**m, "content": "\n".join(texts)}
         elif content is not None and not isinstance(content, str):

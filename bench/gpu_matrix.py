@@ -122,7 +122,7 @@ def cell_overrides(size: str, mode: str, tiny: bool) -> list[str]:
 
 
 def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: bool, timeout_s: float,
-             extra: list[str] = ()) -> dict:
+             extra: list[str] = (), gpu_gib: float | None = None) -> dict:
     run_dir = os.path.join(work, f"{size}-{mode}")
     overrides = [f"run_dir={run_dir}", f"model.path={model_dir}", f"num_rollout={steps}", *cell_overrides(size, mode, tiny),
                  *extra]
@@ -150,27 +150,39 @@ def run_cell(size: str, mode: str, model_dir: str, work: str, steps: int, tiny: 
         cell["log_tail"] = _log_tails(run_dir)
     if records:
         cell.update(_measurements(records, run_dir))
-    if not tiny:
-        cell.update(_estimate(config, overrides))
+    if gpu_gib:
+        cell.update(_estimate(config, overrides, gpu_gib))
     return cell
 
 
-def _estimate(config: str, overrides: list[str]) -> dict:
-    """Lockstep's pre-flight memory estimate of the cell (GiB), beside what was measured."""
+def _estimate(config: str, overrides: list[str], gib: float) -> dict:
+    """Lockstep's pre-flight memory estimate of the cell (GiB) on a GPU of `gib`, beside what was measured."""
     from pipeline.config import load_config
     from pipeline.config import memory
 
     cfg = load_config(os.path.join(REPO, config), overrides)
-    gib = _gpu_gib()
     est = memory.estimate(cfg, memory.local_placement(cfg, gpu_visible=True), gib)
     return {"estimate_total_gib": est.total / memory.GIB, "estimate_trainer_gib": est.trainer.peak / memory.GIB,
             "estimate_engine_gib": est.engine.peak / memory.GIB, "estimate": est.line()}
 
 
-def _gpu_gib() -> float:
+def gpu_facts() -> tuple[str, float]:
+    """The GPU's name and memory (GiB)."""
     import torch
 
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def in_child(fn, *args):
+    """fn(*args) in a fresh (spawned) process. The matrix process itself never touches the GPU: memory it
+    took (transformers' random model, freed but kept by the caching allocator; a CUDA context) would sit
+    beside every cell's engine and trainer. On 2026-12-07 a 7.5 GiB checkpoint writer's blocks did,
+    and the 4B default cell ran out of memory that its engine and trainer alone would have fitted."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _measurements(records: list[dict], run_dir: str) -> dict:
@@ -280,33 +292,26 @@ def main() -> None:
             p.error(f"--set: {e}")
     device = "cpu" if a.tiny else "cuda"
     work = a.work or tempfile.mkdtemp(prefix="lockstep-matrix-")
-    meta = {"device": _device_name(device), "steps_per_cell": a.steps,
+    name, gpu_gib = ("cpu", None) if a.tiny else in_child(gpu_facts)
+    meta = {"device": name, "steps_per_cell": a.steps,
             "base_overrides": TINY_BASE if a.tiny else GPU_BASE, "size_extra": SIZE_EXTRA,
             "size_extra_sync_modes": SIZE_EXTRA_SYNC}
     cells = []
     for size in sizes:
         preset = sizes_known[size]
         model_dir = os.path.join(work, "ckpt", size)
-        wrote = write_checkpoint(model_dir, preset, device)
+        wrote = in_child(write_checkpoint, model_dir, preset, device)
         print(f"== {size}: checkpoint {model_dir} ({wrote:.1f}s to write with transformers)", flush=True)
         for mode in modes:
             if (mode in MOE_ONLY and "moe" not in size) or (size, mode) in SKIP:
                 continue
-            cell = run_cell(size, mode, model_dir, work, a.steps, a.tiny, a.cell_timeout, a.set)
+            cell = run_cell(size, mode, model_dir, work, a.steps, a.tiny, a.cell_timeout, a.set, gpu_gib)
             cells.append(cell)
             merge(out, [cell], meta)  # written after every cell: a cut-off call keeps what ran
             line = {k: cell.get(k) for k in ("status", "wall_s", "startup_s", "step_s", "sync_s", "tokens_per_s_per_gpu",
                                              "trainer_peak_gib", "engine_peak_gib", "max_logprob_diff", "error")}
             print(f"{size:>9} {mode:<15} " + json.dumps({k: v for k, v in line.items() if v is not None}), flush=True)
     print(table(merge(out, cells, meta)))
-
-
-def _device_name(device: str) -> str:
-    if device != "cuda":
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(0)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ def test_deepseek_v3_small_has_real_widths_and_fits_colocated_with_recompute():
     est = M.check(cfg, ONE_GPU, H200)
     assert est.total < 0.9 * H200 * M.GIB
     one_more = dataclasses.replace(M.model_args(cfg), num_hidden_layers=4)
-    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.9 * H200 * M.GIB
+    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.95 * H200 * M.GIB
     assert est.engine.kv_cache == 3 * 256 * (512 + 64) * (256 + 512) * 2  # layers x slots x row x context x bf16
     real_experts = dataclasses.replace(M.model_args(cfg), moe_intermediate_size=2048)
     assert M.estimate(cfg, ONE_GPU, H200, real_experts).trainer.optimizer > H200 * M.GIB / 2
@@ -192,11 +192,13 @@ def test_deepseek_v3_small_has_real_widths_and_fits_colocated_with_recompute():
 def test_the_moe_preset_fits_with_room_when_colocated_with_recompute():
     est = M.check(bench("model.init=qwen3-moe-small", "engine.colocated=true", "train.recompute_activations=true"),
                   ONE_GPU, H200)
-    assert est.total < 0.9 * H200 * M.GIB  # the preset's layer count keeps 10% for the estimate's error
+    # The preset's layer count is the most that keeps ~8% of the card for the estimate's error (which
+    # has been on the safe side: 124 GiB estimated, 95 measured for its trainer on the H200).
+    assert est.total < 0.92 * H200 * M.GIB
     one_more = dataclasses.replace(M.model_args(bench("model.init=qwen3-moe-small")),
                                    num_hidden_layers=model_preset("qwen3-moe-small", 1, None, 0, 0).num_hidden_layers + 1)
     cfg = bench("model.init=qwen3-moe-small", "engine.colocated=true", "train.recompute_activations=true")
-    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.9 * H200 * M.GIB
+    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.95 * H200 * M.GIB
 
 
 def _trainer(cfg, layers=None):

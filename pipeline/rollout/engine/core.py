@@ -589,6 +589,14 @@ class Engine:
         if not self.released:
             self.resume()
 
+    def held_memory(self) -> str:
+        """What this process's caching allocator still holds on the engine's GPU, for the log of a memory
+        release or resume ("" off GPUs). The CUDA context comes on top (not the allocator's)."""
+        if self.device.type != "cuda":
+            return ""
+        allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+        return f" (torch holds {allocated / 2**30:.2f} GiB allocated, {reserved / 2**30:.2f} GiB reserved)"
+
     def _cache_tensors(self) -> list[torch.Tensor]:
         caches = [self.cache] + ([self.spec.cache] if self.spec else [])
         return [t for c in caches for t in c.tensors()]

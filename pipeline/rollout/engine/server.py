@@ -203,7 +203,7 @@ class EngineServer:
             except (RuntimeError, ValueError) as exc:
                 return HTTPStatus.BAD_REQUEST, {"success": False, "message": str(exc)}
             released = sorted(t.value for t in e.released)
-            log.info("memory released: %s", ", ".join(released) or "none")
+            log.info("memory released: %s%s", ", ".join(released) or "none", e.held_memory())
             return HTTPStatus.OK, {"success": True, "message": f"released: {released}"}
         return HTTPStatus.NOT_FOUND, {"error": f"unknown endpoint {path}"}
 

@@ -97,6 +97,45 @@ def bench(fn, warmup=5, rep=20) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_ms(fn, calls: int, reps: int = 20) -> float:
+    """Median device milliseconds per call of fn(i), i = 0..calls-1, all captured in one CUDA graph and
+    replayed: no host launch cost, as the engine's decode graphs run. `bench` times each call between
+    two events after an L2 flush, so a launch that costs the host more than the flush takes the GPU
+    (tens of microseconds of Python) shows up as GPU time; at decode sizes that was most of a small
+    kernel's `bench` time. The caller rotates its operands over i (separate weight copies) so the L2
+    does not hold them from one call to the next, as in a decode step, where each layer reads its own."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # compiles, autotuner-free launch caches, allocations: before capture
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return sorted(times)[reps // 2]
+
+
+def cold_copies(t: torch.Tensor, l2_multiple: int = 3, most: int = 64) -> list[torch.Tensor]:
+    """t and copies of it, together at least `l2_multiple` times the GPU's L2 (at most `most` tensors):
+    operands for `graph_ms` that are not in the L2 when a call reads them."""
+    l2 = getattr(torch.cuda.get_device_properties(t.device), "L2_cache_size", 50 << 20)
+    n = max(1, min(most, -(-l2_multiple * l2 // (t.numel() * t.element_size()))))
+    return [t] + [t.clone() for _ in range(n - 1)]
+
+
 def wall_ms(fn, reps: int = 3) -> float:
     """Median wall-clock milliseconds of fn() (the CPU interpreter's runs of the probes; `bench` needs a GPU)."""
     times = []

@@ -1,6 +1,6 @@
 """Which output tilings of the batch-invariant matmul give the same bits, and how fast each is (issue 27).
 
-    PYTHONPATH=$PWD python3 bench/bi_tile_probe.py --out DIR        (a GPU; ~2-3 minutes)
+    PYTHONPATH=$PWD python3 bench/bi_tile_probe.py --out DIR        (a GPU; several minutes: --presets, --m narrow it)
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 bench/bi_tile_probe.py --tiny --out DIR   (CPU: the script runs)
 
 The batch-invariance argument of lockstep_kernels/gpu/matmul.py needs only the reduction over K to be
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import bench, wall_ms  # noqa: E402
+from common import cold_copies, graph_ms, wall_ms  # noqa: E402
 from lockstep_kernels.gpu.matmul import CONFIGS, INTERPRET, bi_matmul  # noqa: E402
 from lockstep_kernels.gpu.matmul_tma import bi_matmul_tma  # noqa: E402
 
@@ -43,10 +43,15 @@ TMA_MIN_M = 64  # the TMA kernel is timed from here up (2026-12-06: 0.42-0.81x o
 # 128 ask whether a tl.dot over a longer chunk is the same chain of k16 MMAs into the accumulator.
 # Narrow tiles (BLOCK_N 32) put more programs on the SMs at decode sizes, where N / 64 programs leave most
 # of them idle (the 2026-12-05 H100 probe's best tilings at M <= 64 were its narrowest, 16 x 64).
+# BLOCK_N 16 (2026-12-07) goes further: N / 16 programs, and with BLOCK_M 64-128 a decode batch's rows in
+# one or two row blocks, so each weight tile is read from memory once or twice.
 TILES = [(16, 32, 4), (16, 32, 2), (32, 32, 4), (64, 32, 4), (16, 64, 4), (16, 64, 2), (16, 128, 4), (32, 64, 4),
-         (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (128, 256, 8)]
+         (32, 128, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 64, 4), (128, 128, 8), (128, 256, 8),
+         (16, 16, 4), (64, 16, 4), (128, 16, 4), (128, 32, 4)]
 CANDIDATES = [(bm, bn, 64, w, s) for bm, bn, w in TILES for s in (3, 4) if not (bm * bn >= 128 * 256 and s == 4)] + [
-    (128, 128, 128, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (16, 64, 128, 4, 3)]
+    (128, 128, 128, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (16, 64, 128, 4, 3),
+    (16, 16, 128, 4, 4), (64, 16, 128, 4, 4), (128, 16, 128, 4, 4), (16, 32, 128, 4, 3), (64, 32, 128, 4, 3),
+    (128, 32, 128, 4, 3)]
 
 
 # The persistent TMA kernel (lockstep_kernels/gpu/matmul_tma.py) at the large-M tilings: same bits as the
@@ -215,30 +220,33 @@ def main() -> int:
         return 0
     dt, dev = torch.bfloat16, "cpu" if a.tiny else "cuda"
     pinned = CONFIGS[dt]
-    timeit = wall_ms if a.tiny else lambda fn: bench(fn, warmup=3, rep=10)
+    # fn(w) timed over cold copies of the weight in one CUDA graph: device time, as the engine's decode
+    # graphs pay it (common.graph_ms; eager per-call times carried the launcher's host cost at small M)
+    timeit = (lambda fn, ws: wall_ms(lambda: fn(ws[0]))) if a.tiny else (lambda fn, ws: graph_ms(lambda i: fn(ws[i]), len(ws)))
     candidates, tma_candidates = (CANDIDATES[:2], TMA_CANDIDATES[:1]) if a.tiny else (CANDIDATES, TMA_CANDIDATES)
     m_sizes = (1, 17, 256) if a.tiny else tuple(map(int, a.m.split(",")))
     rows, differing = [], []
     torch.manual_seed(0)
     for label, n, k in [("tiny", 48, 80)] if a.tiny else shapes(a.presets.split(",")):
         w = torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
+        ws = [w] if a.tiny else cold_copies(w)
         for m in m_sizes:
             if m * n > 2**32:
                 continue
             x = torch.randn(m, k, device=dev, dtype=dt)
             ref = bi_matmul(x, w.t(), cfg=pinned)
-            t_cublas = timeit(lambda: F.linear(x, w))
-            t_pinned = timeit(lambda: bi_matmul(x, w.t(), cfg=pinned))
+            t_cublas = timeit(lambda wi: F.linear(x, wi), ws)
+            t_pinned = timeit(lambda wi: bi_matmul(x, wi.t(), cfg=pinned), ws)
             times, tma = {}, {}  # cfg_key -> ms, for the candidates that kept the pinned bits
-            kernels = [(candidates, lambda cfg: bi_matmul(x, w.t(), cfg=cfg), {}, times, ""),
-                       (tma_candidates if m >= TMA_MIN_M else (), lambda cfg: bi_matmul_tma(x, w, cfg=cfg), {"kernel": "tma"},
-                        tma, "tma:")]
+            kernels = [(candidates, lambda cfg, wi=w: bi_matmul(x, wi.t(), cfg=cfg), {}, times, ""),
+                       (tma_candidates if m >= TMA_MIN_M else (), lambda cfg, wi=w: bi_matmul_tma(x, wi, cfg=cfg),
+                        {"kernel": "tma"}, tma, "tma:")]
             for cands, kernel, tag, keyed, prefix in kernels:
                 for bm, bn, bk, warps, stages in cands:
                     cfg = dict(pinned, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
                     entry = {**tag, "shape": label, "m": m, "n": n, "k": k, "cfg": [bm, bn, bk, warps, stages]}
                     if keeps_bits(lambda: kernel(cfg), ref, entry, differing):
-                        keyed[prefix + cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda: kernel(cfg))
+                        keyed[prefix + cfg_key(bm, bn, bk, warps, stages)] = timeit(lambda wi: kernel(cfg, wi), ws)
             best = min(times, key=times.get) if times else None
             row = {"shape": label, "m": m, "n": n, "k": k, "cublas_ms": t_cublas, "pinned_ms": t_pinned,
                    "pinned_ratio": t_cublas / t_pinned,
@@ -250,8 +258,9 @@ def main() -> int:
                   f"  best-equal {row['best_ratio'] or 0:.2f}x {row['best_cfg']}"
                   + (f"  tma {row['tma_best_ratio']:.2f}x" if tma else ""), flush=True)
             del x, ref
-        del w
-        torch.cuda.empty_cache()
+        del w, ws
+        if not a.tiny:
+            torch.cuda.empty_cache()
         save(a.out, pinned, rows, differing)  # after every shape: a cut-off call keeps what ran
     for kernel in ("pinned", "tma"):
         mine = [d for d in differing if d.get("kernel", "pinned") == kernel]

@@ -105,17 +105,14 @@ def eligible(probe: dict) -> set[str]:
 
 
 def merged(probes: list[dict]) -> dict:
-    """One probe from several (e.g. a run cut off after some shapes, then the rest): a later probe's rows
-    replace an earlier one's at the same weight shape; bit differences seen anywhere count everywhere."""
-    rows: dict[tuple[int, int], list[dict]] = {}
+    """One probe from several (a run cut off after some shapes, then the rest; a later run at a few M
+    only, e.g. decode sizes): a later probe's row replaces an earlier one's at the same weight shape and
+    M, and the earlier rows at other M stay; bit differences seen anywhere count everywhere."""
+    rows: dict[tuple[int, int, int], dict] = {}
     for probe in probes:
-        fresh: dict[tuple[int, int], list[dict]] = {}
-        for r in probe["rows"]:
-            fresh.setdefault((r["n"], r["k"]), []).append(r)
-        rows.update(fresh)
+        rows.update({(r["n"], r["k"], r["m"]): r for r in probe["rows"]})
     return {"gpu": " + ".join(sorted({p["gpu"] for p in probes})), "pinned": probes[-1]["pinned"],
-            "rows": [r for shape_rows in rows.values() for r in shape_rows],
-            "differing": [d for p in probes for d in p["differing"]]}
+            "rows": list(rows.values()), "differing": [d for p in probes for d in p["differing"]]}
 
 
 def collapse(rows: list[tuple], pinned: dict) -> list[tuple]:

@@ -128,6 +128,16 @@ def test_a_later_probe_replaces_an_earlier_ones_shapes_and_its_bit_differences_c
     assert propose_shape_tilings(probe) == {(128, 256): [(1, 16, 64, 64, 4, 3)], (512, 256): [(1, 16, 64, 64, 4, 3)]}
 
 
+def test_a_later_probe_at_a_few_m_keeps_the_earlier_rows_at_the_others():
+    old = {"gpu": "H100", "pinned": PINNED, "differing": [],
+           "rows": [row(16, 1.0, n=128, k=256, c16_64_64_4_3=2.0), row(2048, 1.0, n=128, k=256, c64_64_64_4_4=1.0)]}
+    new = {"gpu": "H100", "pinned": PINNED, "differing": [],  # decode sizes only, a new narrow tiling fastest
+           "rows": [row(16, 1.0, n=128, k=256, c16_64_64_4_3=2.0, c64_16_64_4_3=1.0)]}
+    probe = merged([old, new])
+    assert sorted(r["m"] for r in probe["rows"]) == [16, 2048]
+    assert propose_shape_tilings(probe) == {(128, 256): [(16, 64, 16, 64, 4, 3), (2048, 64, 64, 64, 4, 4)]}
+
+
 def test_a_row_naming_the_tma_kernel_reaches_the_launch_config():
     import torch
 

@@ -15,6 +15,9 @@ hook is a no-op dictionary lookup):
   engine_hold_rid=REGEX    engine: a request whose rid matches is held (never scheduled) until it is aborted,
                            up to the first abort of all requests (later ones run): an over-sampled
                            step's surplus is then cut mid-trajectory whatever the timing
+  user_error=ROLE          engine, rollout or trainer: the component of that role dies of a UserError as it
+                           starts (what one whose checkpoint no longer matches its config.json does), for
+                           the tests of what a deterministic failure ends under each launcher
   engine_router_jitter=EPS engine: add EPS x N(0, 1) to the MoE router's logits, so its live routing
                            differs from the trainer's for some tokens, as a GPU engine's does (a CPU's
                            bf16 kernels may happen to agree)

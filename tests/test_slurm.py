@@ -338,6 +338,28 @@ def test_component_out_of_restarts_ends_the_job_named(slurm, tmp_path):
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_a_component_dying_of_a_user_error_ends_the_job_at_once_with_its_line(slurm, tmp_path):
+    """A deterministic failure under srun: the engine exits with USER_ERROR_EXIT (a fault makes it, as a
+    checkpoint edited after the launcher's checks would); srun passes that status through, and the job
+    ends at its first failure with the engine's own line: no restart in place although restarts are
+    left, no spare node, no requeue."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "submit", *LOCAL, f"run_dir={run_dir}", *SMALL,
+                          "num_rollout=4", "engine.max_restarts=3", "slurm.max_requeues=2", "--wait"], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, LOCKSTEP_FAULTS="user_error=engine"))
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "failed on a user error" in err and "fault user_error=engine: the engine refuses to start" in err, err[-3000:]
+    events = RunDir(run_dir).read_events()
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(e["component"], e["reason"], e["action"]) for e in failures] == [("engine_0", "exit status 2", "fail")], events
+    assert not [e for e in events if e["event"] == "requeue"] and {e.get("attempt") for e in events} == {1}, events
+    assert RunDir(run_dir).failure()["component"] == "engine_0" and not read_metrics(str(run_dir))
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_engine_and_trainer_restarted_in_place(slurm, tmp_path):
     """Inside one allocation: a killed engine is restarted alone and rejoins the weight group; a killed
     trainer rank restarts the trainer step from the last checkpoint; every step is logged once."""

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 
+from pipeline import faults
 from pipeline.errors import UserError
 from pipeline.run import RunDir, bind_address, free_port
 from pipeline.run.heartbeat import Heartbeat
@@ -109,6 +110,8 @@ def run_component(argv=None) -> None:
     from pipeline.config import load_resolved
 
     cfg = load_resolved(args.run_dir)
+    if faults.value("user_error") == args.role:
+        raise UserError(f"fault user_error={args.role}: the {args.role} refuses to start")
     if args.role == "trainer":
         trainer_env_from_slurm(args.run_dir)
     index = args.index if args.index is not None else int(os.environ.get("SLURM_PROCID", 0))

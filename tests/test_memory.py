@@ -183,7 +183,7 @@ def test_deepseek_v3_small_has_real_widths_and_fits_colocated_with_recompute():
     est = M.check(cfg, ONE_GPU, H200)
     assert est.total < 0.9 * H200 * M.GIB
     one_more = dataclasses.replace(M.model_args(cfg), num_hidden_layers=4)
-    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.95 * H200 * M.GIB
+    assert M.estimate(cfg, ONE_GPU, H200, one_more).total > 0.9 * H200 * M.GIB
     assert est.engine.kv_cache == 3 * 256 * (512 + 64) * (256 + 512) * 2  # layers x slots x row x context x bf16
     real_experts = dataclasses.replace(M.model_args(cfg), moe_intermediate_size=2048)
     assert M.estimate(cfg, ONE_GPU, H200, real_experts).trainer.optimizer > H200 * M.GIB / 2

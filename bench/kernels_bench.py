@@ -116,14 +116,14 @@ def bar(m: int) -> float:
 
 
 def with_k_chunk(chunk: int, fn):
-    """fn run with matmul.K_CHUNK[bf16] = chunk (the fixed split-K), restored after."""
+    """fn(*args) run with matmul.K_CHUNK[bf16] = chunk (the fixed split-K), restored after."""
     from lockstep_kernels.gpu import matmul
 
-    def run():
+    def run(*args):
         saved = matmul.K_CHUNK[torch.bfloat16]
         matmul.K_CHUNK[torch.bfloat16] = chunk
         try:
-            return fn()
+            return fn(*args)
         finally:
             matmul.K_CHUNK[torch.bfloat16] = saved
     return run
@@ -139,36 +139,31 @@ def main_presets(presets: list[str], m_sizes: list[int], k_chunks: list[int] = (
     torch.manual_seed(0)
     rows = []
 
-    def add(preset, kind, name, m, default_fn, bi_fn, flops=None, need=None):
-        t_def = default_fn if isinstance(default_fn, float) else bench(default_fn)  # a float: timed already
-        t_bi = bench(bi_fn)
+    def add(preset, kind, name, m, default_fn, bi_fn, flops=None, need=None, extra=None):
+        """A row: default_fn / bi_fn are timed by `bench`, or are times already (floats); `extra`: more
+        fields (the GEMM rows' eager times)."""
+        t_def = default_fn if isinstance(default_fn, float) else bench(default_fn)
+        t_bi = bi_fn if isinstance(bi_fn, float) else bench(bi_fn)
         need = need or bar(m)
         row = {"preset": preset, "kind": kind, "op": name, "m": m, "default_ms": t_def, "bi_ms": t_bi,
-               "ratio": t_def / t_bi, "bar": need, "meets": t_def / t_bi >= need}
+               "ratio": t_def / t_bi, "bar": need, "meets": t_def / t_bi >= need, **(extra or {})}
         if flops:
             row["default_tflops"], row["bi_tflops"] = flops / t_def / 1e9, flops / t_bi / 1e9
         rows.append(row)
+        eager = f"   (eager {extra['eager_default_ms']:.4f} / {extra['eager_bi_ms']:.4f} ms)" if extra else ""
         print(f"{preset:<9} {name:<26} M={m:<6} default {t_def:8.3f} ms  bi {t_bi:8.3f} ms  {row['ratio']:5.2f}x"
-              f"  {'ok' if row['meets'] else 'BELOW ' + str(row['bar'])}", flush=True)
+              f"  {'ok' if row['meets'] else 'BELOW ' + str(row['bar'])}{eager}", flush=True)
         write("kernels_presets", {"device": device_info(), "bars": {"m>=64": 0.9, "decode": 0.8}, "rows": rows})
 
     def add_gemm(preset, name, m, ws, x, t_default, bi_fn, flops):
         """A GEMM row timed as device time in a CUDA graph over cold weight copies (`graph_ms`): what a
         kernel costs the GPU. The eager `bench` times of the same calls (host launch cost included, which
-        training's eager steps pay) ride along as eager_default_ms / eager_bi_ms."""
-        t_bi = graph_ms(lambda i: bi_fn(x, ws[i]), len(ws))
-        need = bar(m)
-        eager_def, eager_bi = t_default[1], bench(lambda: bi_fn(x, ws[0]))
-        row = {"preset": preset, "kind": "gemm", "op": name, "m": m, "default_ms": t_default[0], "bi_ms": t_bi,
-               "ratio": t_default[0] / t_bi, "bar": need, "meets": t_default[0] / t_bi >= need,
-               "timing": "cuda graph, cold weights", "eager_default_ms": eager_def, "eager_bi_ms": eager_bi,
-               "eager_ratio": eager_def / eager_bi,
-               "default_tflops": flops / t_default[0] / 1e9, "bi_tflops": flops / t_bi / 1e9}
-        rows.append(row)
-        print(f"{preset:<9} {name:<26} M={m:<6} default {t_default[0]:8.4f} ms  bi {t_bi:8.4f} ms  {row['ratio']:5.2f}x"
-              f"  {'ok' if row['meets'] else 'BELOW ' + str(need)}   (eager {eager_def:.4f} / {eager_bi:.4f} ms)",
-              flush=True)
-        write("kernels_presets", {"device": device_info(), "bars": {"m>=64": 0.9, "decode": 0.8}, "rows": rows})
+        training's eager steps pay) ride along as eager_default_ms / eager_bi_ms. t_default: the default
+        kernel's (graph, eager) times."""
+        eager_bi = bench(lambda: bi_fn(x, ws[0]))
+        extra = {"timing": "cuda graph, cold weights", "eager_default_ms": t_default[1], "eager_bi_ms": eager_bi,
+                 "eager_ratio": t_default[1] / eager_bi}
+        add(preset, "gemm", name, m, t_default[0], graph_ms(lambda i: bi_fn(x, ws[i]), len(ws)), flops, extra=extra)
 
     for key in presets:
         preset = PRESETS[key]
@@ -180,7 +175,7 @@ def main_presets(presets: list[str], m_sizes: list[int], k_chunks: list[int] = (
                 add_gemm(key, f"{name} {n}x{k}", m, ws, x, t_default, bi_linear, 2 * m * n * k)
                 for chunk in k_chunks:  # the fixed split-K beside the unsplit kernel, same default time
                     add_gemm(key, f"{name} {n}x{k} (split-K {chunk})", m, ws, x, t_default,
-                             lambda a, b, chunk=chunk: with_k_chunk(chunk, lambda: bi_linear(a, b))(), 2 * m * n * k)
+                             with_k_chunk(chunk, bi_linear), 2 * m * n * k)
                 del x
             del ws
             torch.cuda.empty_cache()

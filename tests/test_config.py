@@ -72,6 +72,23 @@ def test_miles_names_exist():
     (["rollout_top_p=1.5"], "rollout_top_p must be in (0, 1]"),
     (["train.compile=true", "determinism.true_on_policy=true"], "train.compile and determinism.true_on_policy exclude"),
     (["train.compile=true", "train.backend=megatron"], "set train.backend=fsdp"),
+    # values torch or the trainer would only refuse after start-up (or take silently and train on NaN)
+    (["train.lr=.nan"], "train.lr must be > 0 (got nan)"),
+    (["train.lr=.inf"], "train.lr (got inf): every number must be finite"),
+    (["algo.kl_loss_coef=.nan"], "algo.kl_loss_coef (got nan): every number must be finite"),
+    (["rollout.rollout_temperature=.nan"], "rollout.rollout_temperature must be > 0"),
+    (["train.num_threads=0"], "train.num_threads must be > 0"),
+    (["engine.num_threads=-1"], "engine.num_threads must be > 0"),
+    (["train.weight_decay=-1"], "train.weight_decay must be >= 0"),
+    (["train.adam_eps=0"], "train.adam_eps must be > 0"),
+    (["train.adam_beta2=1"], "train.adam_beta1 and train.adam_beta2 must be in [0, 1)"),
+    (["train.dist_timeout_s=0"], "train.dist_timeout_s must be > 0"),
+    (["train.lr_warmup_steps=-5"], "train.lr_warmup_steps must be >= 0"),
+    (["rollout.max_draws_per_step=0"], "rollout.max_draws_per_step must be > 0"),
+    (["rollout.max_retries=-1"], "rollout.max_retries must be >= 0"),
+    (["engine.max_restarts=-1"], "engine.max_restarts must be >= 0"),
+    (["determinism.true_on_policy=true", "rollout.mode=one_step_off"], "determinism.true_on_policy needs rollout.mode=sync"),
+    (["determinism.true_on_policy=true", "rollout.mode=fully_async"], "determinism.true_on_policy needs rollout.mode=sync"),
 ])
 def test_bad_config_messages(overrides, message):
     with pytest.raises(ConfigError) as e:

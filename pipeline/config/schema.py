@@ -9,7 +9,9 @@ validate.py. Every error names the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,8 +21,31 @@ from pipeline.errors import ConfigError
 
 def _positive(section: str, **values) -> None:
     for name, v in values.items():
-        if v is not None and v <= 0:
+        if v is not None and not v > 0:  # `not >` so NaN is refused too
             raise ConfigError(f"{section + '.' if section else ''}{name} must be > 0 (got {v})")
+
+
+def _non_negative(section: str, **values) -> None:
+    for name, v in values.items():
+        if v is not None and not v >= 0:
+            raise ConfigError(f"{section + '.' if section else ''}{name} must be >= 0 (got {v})")
+
+
+def non_finite(config, path: str = "") -> str | None:
+    """The dotted name and value of the first NaN or infinite number in a config tree (dataclasses, lists,
+    dicts), or None. Pure. No option means anything at NaN or inf: a run started with one trains on NaN."""
+    if dataclasses.is_dataclass(config):
+        items = ((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))
+    elif isinstance(config, dict):
+        items = config.items()
+    elif isinstance(config, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(config))
+    else:
+        return f"{path} (got {config})" if isinstance(config, float) and not math.isfinite(config) else None
+    for name, value in items:
+        if (found := non_finite(value, f"{path}.{name}" if path else str(name))) is not None:
+            return found
+    return None
 
 
 @dataclass
@@ -148,7 +173,9 @@ class RolloutConfig:
             rollout_max_response_len=self.rollout_max_response_len,
             rollout_temperature=self.rollout_temperature,
             request_timeout_s=self.request_timeout_s,
+            max_draws_per_step=self.max_draws_per_step,
         )
+        _non_negative("rollout", max_retries=self.max_retries, retry_budget_s=self.retry_budget_s)
         if not 0.0 < self.rollout_top_p <= 1.0:
             raise ConfigError(f"rollout.rollout_top_p must be in (0, 1] (got {self.rollout_top_p})")
         if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
@@ -204,6 +231,7 @@ class EngineCommon:
     def __post_init__(self):
         _positive("engine", num_engines=self.num_engines, max_running_requests=self.max_running_requests,
                   speculative_num_steps=self.speculative_num_steps, startup_timeout_s=self.startup_timeout_s)
+        _non_negative("engine", max_restarts=self.max_restarts)
         if self.cuda_graph_max_bs is not None:
             _positive("engine", cuda_graph_max_bs=self.cuda_graph_max_bs)
 
@@ -251,6 +279,7 @@ class LocalEngineConfig(EngineCommon):
 
     def __post_init__(self):
         super().__post_init__()
+        _positive("engine", num_threads=self.num_threads)
         if self.prefix_cache_tokens < 0:
             raise ConfigError(f"engine.prefix_cache_tokens must be >= 0 (got {self.prefix_cache_tokens}; 0: off)")
         if self.prefix_cache_tokens and self.speculative_algorithm:
@@ -400,7 +429,15 @@ class TrainConfig:
             expert_model_parallel_size=self.expert_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             gpu_memory_gib=self.gpu_memory_gib,
+            adam_eps=self.adam_eps,
+            num_threads=self.num_threads,
+            dist_timeout_s=self.dist_timeout_s,
         )
+        _non_negative("train", lr_warmup_steps=self.lr_warmup_steps, weight_decay=self.weight_decay,
+                      min_lr=self.min_lr, max_consecutive_nonfinite=self.max_consecutive_nonfinite)
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(f"train.adam_beta1 and train.adam_beta2 must be in [0, 1) (got {self.adam_beta1},"
+                              f" {self.adam_beta2})")
         parallel = (self.tensor_model_parallel_size, self.expert_model_parallel_size,
                     self.pipeline_model_parallel_size, self.sequence_parallel)
         if self.backend == "fsdp" and parallel != (1, 1, 1, False):
@@ -849,6 +886,8 @@ class RunConfig:
     """Hang detection."""
 
     def __post_init__(self):
+        if (bad := non_finite(self)) is not None:
+            raise ConfigError(f"{bad}: every number must be finite (no nan or inf)")
         _positive("", num_rollout=self.num_rollout)
         r, t = self.rollout, self.train
         samples = self.samples_per_step
@@ -911,6 +950,10 @@ class RunConfig:
             raise ConfigError(f"eval.max_response_len ({e.max_response_len}) > rollout.rollout_max_response_len"
                               f" ({r.rollout_max_response_len}): the engines' context is sized by the latter; raise it"
                               " or shorten eval responses")
+        if self.determinism.true_on_policy and r.mode != "sync":
+            raise ConfigError(f"determinism.true_on_policy needs rollout.mode=sync (got {r.mode!r}): {r.mode} trains on"
+                              " rollouts of older weights, whose logprobs cannot equal the trainer's; use"
+                              " algo.off_policy_correction (TIS) for asynchronous runs")
         if self.engine.colocated and r.mode != "sync":
             raise ConfigError(f"engine.colocated needs rollout.mode=sync (got {r.mode!r}): colocated engines"
                               " give their memory to the trainer, so they cannot generate while it trains")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -420,3 +421,92 @@ def test_characters_the_tiny_tokenizer_lacks_are_counted_not_silent(tmp_path, to
         in ds.stats.report()
     clean = PromptDataset(DataConfig(prompt_data=write_rows(tmp_path / "ok.jsonl", rows[::2])), tok, seed=0)
     assert clean.stats.unknown == 0 and "unknown" not in clean.stats.report()
+
+
+def _family_args():
+    import dataclasses
+
+    from pipeline.models.config import model_preset
+
+    dense = model_preset("tiny-dense", 100, None, 0, 0)
+    moe = model_preset("tiny-moe", 100, None, 0, 0)
+    yield from (model_preset(n, 100, None, 0, 0) for n in ("tiny-dense", "tiny-moe", "deepseek-v3-tiny",
+                                                            "qwen3-4b", "qwen3-moe-small", "deepseek-v3-small"))
+    yield dataclasses.replace(dense, family="qwen2", attention_bias=True, tie_word_embeddings=True)
+    yield dataclasses.replace(dense, family="llama", mlp_bias=True, attention_bias=True, num_key_value_heads=1)
+    yield dataclasses.replace(moe, mlp_only_layers=(0,), decoder_sparse_step=2, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("args", list(_family_args()), ids=lambda a: f"{a.family}-{a.hidden_size}-{a.num_experts}")
+def test_the_launchers_shape_rules_are_the_models_own_shapes(args):
+    """The launcher checks every tensor's shape in the headers against config.json without torch
+    (hf_files.expected_shape); each of its rules must give what the model itself builds, in every family,
+    or it would refuse a good checkpoint (or pass a bad one)."""
+    import torch
+
+    from pipeline.models.hf_files import expected_shape, shape_mismatch
+    from pipeline.models.qwen3 import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        state = {k: tuple(v.shape) for k, v in Qwen3ForCausalLM(args).state_dict().items()}
+    covered = {k: expected_shape(k, args) for k in state}
+    covered = {k: v for k, v in covered.items() if v is not None}
+    assert {k: state[k] for k in covered} == covered
+    assert len(covered) >= 0.5 * len(state) and "model.layers.0.post_attention_layernorm.weight" in covered
+    assert shape_mismatch(state, args) is None
+    name = next(k for k in covered if k.endswith("o_proj.weight"))
+    wrong = dict(state, **{name: (state[name][0], state[name][1] * 2)})
+    assert shape_mismatch(wrong, args).startswith(f"{name} is {state[name][0]} x {state[name][1] * 2} in the weights")
+
+
+def test_a_config_json_of_another_size_is_refused_from_every_tensors_header(tmp_path):
+    """Heads, KV heads or the MLP's width in config.json unlike the weights': refused before anything
+    starts, naming the first tensor whose shape differs (the loader would have found it after launch)."""
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    base = json.loads(open(os.path.join(model, "config.json")).read())
+    for name, edit, tensor in [("kv", {"num_key_value_heads": base["num_key_value_heads"] * 2}, r"self_attn\.[kv]_proj"),
+                               ("mlp", {"intermediate_size": base["intermediate_size"] * 2},
+                                r"mlp\.(gate|up|down)_proj")]:
+        bad = tmp_path / name
+        shutil.copytree(model, bad)
+        (bad / "config.json").write_text(json.dumps(dict(base, **edit)))
+        err = refused(f"model.path={bad}", f"run_dir={tmp_path}/run_{name}")
+        assert re.search(rf"'{re.escape(str(bad))}': model\.layers\.\d+\.{tensor}\.weight is \d+ x \d+ in the weights,"
+                         r" but config.json gives \d+ x \d+ \(\d+ tensors differ\)", err), err
+        assert not os.path.exists(tmp_path / f"run_{name}" / "logs"), "refused before anything started"
+
+
+@pytest.mark.parametrize("file, content, fragment", [
+    ("config.json", '{"model_type": "qwen3",', "config.json' is not valid JSON (line 1"),
+    ("config.json", '["qwen3"]', "config.json' holds a JSON list, not an object"),
+    ("config.json", None, "config.json' is a directory"),
+    ("tokenizer.json", "", "tokenizer.json' cannot be read as a tokenizer"),
+    ("tokenizer_config.json", "{oops", "tokenizer_config.json' is not valid JSON"),
+])
+def test_damaged_checkpoint_files_are_one_line_each(tmp_path, file, content, fragment):
+    model = make_model_dir(str(tmp_path / "m"), "tiny-dense")
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    os.unlink(bad / file)
+    if content is None:
+        os.mkdir(bad / file)
+    else:
+        (bad / file).write_text(content)
+    assert fragment in refused(f"model.path={bad}", f"run_dir={tmp_path}/run")
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    ({"num_attention_heads": None}, "config.json has no num_attention_heads"),
+    ({"num_hidden_layers": 2.0}, "config.json: num_hidden_layers must be a positive integer (got 2.0)"),
+    ({"hidden_size": "64"}, "config.json: hidden_size must be a positive integer (got '64')"),
+    ({"num_key_value_heads": 0}, "config.json: num_key_value_heads must be a positive integer (got 0)"),
+    ({"model_type": None}, "config.json has no model_type"),
+])
+def test_config_json_sizes_of_the_wrong_type_are_named(edit, fragment):
+    from pipeline.models.hf_config import read_hf_config
+
+    cfg = {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 192}
+    with pytest.raises(UserError) as e:
+        read_hf_config({k: v for k, v in dict(cfg, **edit).items() if v is not None or k != "model_type"})
+    assert fragment in str(e.value)

@@ -15,7 +15,6 @@ head dim, kd = KV heads x head dim, H query heads, V vocabulary, c bytes of mode
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pipeline.config.schema import RunConfig
 from pipeline.errors import UserError
 from pipeline.models.config import ModelArgs, model_preset
-from pipeline.models.hf_config import read_hf_config
+from pipeline.models.hf_config import read_model_args
 
 GIB = float(1 << 30)
 
@@ -223,8 +222,7 @@ def model_args(cfg: RunConfig) -> ModelArgs:
     """The policy's shape: model.path's config.json, or the model.init preset (as make_initial_model
     builds it: real sizes with Qwen's vocabulary, tiny ones with the tiny tokenizer's)."""
     if cfg.model.path:
-        with open(os.path.join(cfg.model.path, "config.json")) as f:
-            args = read_hf_config(json.load(f))
+        args = read_model_args(cfg.model.path)
         return dataclasses.replace(args, mtp_num_hidden_layers=cfg.model.mtp_num_layers)
     from pipeline.models.tokenizer import TINY_CHARS, TINY_SPECIALS
 

@@ -75,14 +75,15 @@ def check_weights_present(model_dir: str, args) -> None:
     """Safetensors weights there, every shard the index names present with a readable header, the layers
     and embedding shape config.json describes (`args`: its ModelArgs), and (a tied LM head) no saved
     lm_head.weight that differs from the embedding: one line each if not."""
-    from pipeline.models.hf_files import (EMBED_NAME, config_mismatch, tensor_shape, tied_head_differs,
-                                          tied_head_error, weight_names)
+    from pipeline.models.hf_files import (EMBED_NAME, config_mismatch, shape_mismatch, tensor_shape, tensor_shapes,
+                                          tied_head_differs, tied_head_error, weight_names)
 
     names = os.listdir(model_dir)
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         tensors = weight_names(model_dir)
         why = config_mismatch(tensors, tensor_shape(model_dir, tensors, EMBED_NAME), args.num_hidden_layers,
                               args.vocab_size, args.hidden_size, args.mtp_num_hidden_layers)
+        why = why or shape_mismatch(tensor_shapes(model_dir, tensors), args)
         if why:
             raise UserError(f"model.path {model_dir!r}: {why}")
         if args.tie_word_embeddings and tied_head_differs(model_dir, tensors):

@@ -19,7 +19,6 @@ the export writes the form that was read.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -139,6 +138,8 @@ def _refuse(what: str) -> UserError:
 
 def read_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     model_type = cfg.get("model_type")
+    if model_type is None:
+        raise UserError(f"config.json has no model_type (Lockstep runs {SUPPORTED}): is it a model's config.json?")
     if model_type not in FAMILY:
         raise UserError(f"model_type {model_type!r} is not supported (Lockstep runs {SUPPORTED})")
     defaults = DEFAULTS[model_type]
@@ -152,6 +153,7 @@ def read_hf_config(cfg: dict[str, Any]) -> ModelArgs:
         fields = ", ".join(f"{k}={_show(cfg[k])}" for k in unknown)
         raise _refuse(f"{fields}: not {'a field' if len(unknown) == 1 else 'fields'} Lockstep implements for model_type"
                       f" {model_type!r} (it may change the model; remove it only if it does not)")
+    _check_sizes(cfg, get)
     _check(cfg, model_type, get)
     heads = get("num_attention_heads")
     eos = get("eos_token_id")
@@ -193,6 +195,26 @@ def read_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     kept = (CHECKED[model_type] | HARMLESS | {"original_max_position_embeddings"}) - NOT_WRITTEN
     args["extra"] = {k: v for k, v in cfg.items() if k in kept}
     return ModelArgs(**args)
+
+
+# The shape's integers: required ones must be there, every one given must be a positive integer (a string,
+# a float or a null would otherwise surface as a torch error, or a misleading shape message, after start-up).
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings", "num_experts",
+                  "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                  "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "n_routed_experts", "n_shared_experts", "n_group", "topk_group")
+
+
+def _check_sizes(cfg: dict[str, Any], get) -> None:
+    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
+        value = get(key)
+        if value is None:
+            if key in REQUIRED_SIZES:
+                raise UserError(f"config.json has no {key} (null or missing): is it a complete model config?")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(f"config.json: {key} must be a positive integer (got {value!r})")
 
 
 def _deepseek_args(get, heads: int) -> dict[str, Any]:
@@ -416,5 +438,6 @@ def read_model_args(model_dir: str) -> ModelArgs:
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
         raise UserError(f"model.path {model_dir!r} has no config.json: point it at a Hugging Face checkpoint directory")
-    with open(path) as f:
-        return read_hf_config(json.load(f))
+    from pipeline.utils.fs import read_json_object
+
+    return read_hf_config(read_json_object(path))

@@ -68,6 +68,78 @@ def tensor_shape(model_dir: str, names: dict[str, str], name: str) -> list[int] 
         return list(f.get_slice(name).get_shape())
 
 
+def tensor_shapes(model_dir: str, names: dict[str, str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from its file's header (nothing read), each file opened once."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(names.values())):
+        with safe_open(os.path.join(model_dir, file), framework="numpy") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+# The shape config.json gives a tensor, for the names whose rule holds in every family Lockstep reads
+# (tests/test_user_inputs.py checks each rule against the model's own state dict for every family and
+# preset). Names without a rule (MLA's projections, biases, MTP heads, FP8 scales) are left to the loader.
+def _shape_rules(a) -> dict[str, tuple[int, ...]]:
+    attn_out = a.num_attention_heads * (a.v_head_dim if a.is_mla else a.head_dim)
+    rules = {
+        "input_layernorm.weight": (a.hidden_size,), "post_attention_layernorm.weight": (a.hidden_size,),
+        "self_attn.o_proj.weight": (a.hidden_size, attn_out),
+        "mlp.gate_proj.weight": (a.intermediate_size, a.hidden_size),
+        "mlp.up_proj.weight": (a.intermediate_size, a.hidden_size),
+        "mlp.down_proj.weight": (a.hidden_size, a.intermediate_size),
+    }
+    if not a.is_mla:
+        rules.update({
+            "self_attn.q_proj.weight": (a.num_attention_heads * a.head_dim, a.hidden_size),
+            "self_attn.k_proj.weight": (a.num_key_value_heads * a.head_dim, a.hidden_size),
+            "self_attn.v_proj.weight": (a.num_key_value_heads * a.head_dim, a.hidden_size),
+            "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,),
+        })
+    if a.num_experts:
+        rules["mlp.gate.weight"] = (a.num_experts, a.hidden_size)
+        for proj in ("gate_proj", "up_proj"):
+            rules[f"mlp.experts.*.{proj}.weight"] = (a.moe_intermediate_size, a.hidden_size)
+        rules["mlp.experts.*.down_proj.weight"] = (a.hidden_size, a.moe_intermediate_size)
+    return rules
+
+
+EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def expected_shape(name: str, args, rules: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...] | None:
+    """The shape config.json (`args`: its ModelArgs) gives the decoder tensor `name`; None where no rule
+    here covers it (`rules`: _shape_rules(args), when the caller asks for many names). Pure."""
+    if name == EMBED_NAME or name == "lm_head.weight":
+        return (args.vocab_size, args.hidden_size)
+    if name == "model.norm.weight":
+        return (args.hidden_size,)
+    m = LAYER_NAME.match(name)
+    if not m or int(m.group(1)) >= args.num_hidden_layers:
+        return None
+    return (rules or _shape_rules(args)).get(EXPERT_INDEX.sub(".experts.*.", name[m.end():]))
+
+
+def shape_mismatch(shapes: dict[str, tuple[int, ...]], args) -> str | None:
+    """The first tensor whose shape in the headers (`shapes`) is not the one config.json gives it, as one
+    line naming it and how many differ; None when all agree. Pure."""
+    rules = _shape_rules(args)
+    wrong = []
+    for name, shape in shapes.items():
+        want = expected_shape(name, args, rules)
+        if want is not None and tuple(shape) != want:
+            wrong.append((name, tuple(shape), want))
+    if not wrong:
+        return None
+    name, got, want = wrong[0]
+    more = f" ({len(wrong)} tensors differ)" if len(wrong) > 1 else ""
+    return (f"{name} is {' x '.join(map(str, got))} in the weights, but config.json gives"
+            f" {' x '.join(map(str, want))}{more}: a config.json of another model?")
+
+
 def config_mismatch(names: dict[str, str], embed_shape: list[int] | None, layers: int, vocab: int,
                     hidden: int, mtp_layers: int = 0) -> str | None:
     """Why the weights cannot be the model config.json describes (its decoder layers, its MTP layers,

@@ -63,12 +63,17 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(path):
         raise UserError(f"no tokenizer.json in {model_dir!r}: the model directory needs its tokenizer files")
-    backend = HFTokenizer.from_file(path)
+    from pipeline.utils.fs import read_json_object
+
+    try:
+        backend = HFTokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises a bare Exception for any unreadable file
+        raise UserError(f"{path!r} cannot be read as a tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}):"
+                        " a truncated download?") from None
     cfg = {}
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.exists(cfg_path):
-        with open(cfg_path) as f:
-            cfg = json.load(f)
+        cfg = read_json_object(cfg_path)
 
     def special(name: str) -> int | None:
         tok = cfg.get(name)
@@ -79,8 +84,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     eos = special("eos_token")
     gen_cfg = os.path.join(model_dir, "generation_config.json")
     if eos is None and os.path.exists(gen_cfg):
-        with open(gen_cfg) as f:
-            e = json.load(f).get("eos_token_id")
+        e = read_json_object(gen_cfg).get("eos_token_id")
         eos = e[0] if isinstance(e, list) else e
     if eos is None:
         raise UserError(f"{model_dir!r}: tokenizer_config.json names no eos_token; add one")

@@ -52,6 +52,29 @@ def read_json(path: str):
         return json.load(f)
 
 
+def read_json_object(path: str) -> dict:
+    """A JSON file a user brings (config.json, tokenizer_config.json, ...) that must hold one object; a
+    UserError naming the file and what is wrong with it otherwise (missing, a directory, not UTF-8, not
+    JSON, not an object)."""
+    from pipeline.errors import UserError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path!r} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path!r} is a directory, not a JSON file") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path!r} is not UTF-8 text (byte {e.start}): a binary or damaged file?") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path!r} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}): a truncated or"
+                        " hand-edited file?") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path!r} holds a JSON {type(data).__name__}, not an object of fields")
+    return data
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str):
     """Yield a temp directory next to `path`; on success fsync it and rename it to `path`.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -130,9 +131,17 @@ def cmd_config(args) -> int:
     return 0
 
 
+def existing_dir(path: str, what: str = "run directory") -> str:
+    """`path` when it is a directory; a UserError line naming what it is instead."""
+    if not os.path.isdir(path):
+        raise UserError(f"{path!r} is {'a file' if os.path.exists(path) else 'not found'}: give a {what}")
+    return path
+
+
 def cmd_status(args) -> int:
     from pipeline.observability.status import status
 
+    existing_dir(args.run_dir)
     print(status(args.run_dir))
     return 0
 
@@ -140,6 +149,7 @@ def cmd_status(args) -> int:
 def cmd_summary(args) -> int:
     from pipeline.observability.report import plot_rewards, summary
 
+    existing_dir(args.run_dir)
     plot_rewards(args.run_dir)
     print(summary(args.run_dir))
     return 0
@@ -149,6 +159,8 @@ def cmd_eval(args) -> int:
     from pipeline.launch.evaluate import run_eval
     from pipeline.observability.report import eval_table
 
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out!r} is a file: give a directory for the eval's results")
     summary, out = run_eval(args.target, args.dataset, args.overrides, args.out)
     s = summary["sampling"]
     print(f"eval of {args.target}: {summary['n_samples_per_prompt']} sample(s) per prompt, temperature"
@@ -162,6 +174,7 @@ def cmd_eval(args) -> int:
 def cmd_buffer(args) -> int:
     from pipeline.buffer import tools
 
+    existing_dir(args.run_dir)
     if args.action == "inspect":
         print(tools.inspect(args.run_dir))
         return 0
@@ -173,6 +186,8 @@ def cmd_buffer(args) -> int:
 def cmd_data(args) -> int:
     from pipeline.rollout.tasks import make_arith, make_multidigit
 
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UserError(f"{args.out_dir!r} is a file: give a directory to write the data set into")
     if args.task == "make-arith":
         make_arith(args.out_dir, seed=args.seed)
         print(f"wrote {args.out_dir}/train.jsonl and test.jsonl")

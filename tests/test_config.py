@@ -199,3 +199,26 @@ def test_config_package_imports_no_trainer_and_no_torch():
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": REPO})
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_paths_of_the_wrong_kind_are_one_line_each(tmp_path):
+    """A directory where a file belongs, a file where a directory belongs, a missing run directory, a
+    config file in another encoding: one line each (they were tracebacks, or "OK: 0 steps checked")."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"run_dir: \xff\xfe x\n")
+    for args, fragment in [
+            (["run", "configs"], "config file 'configs' is a directory"),
+            (["config", "show", str(latin)], "is not UTF-8 text"),
+            (["status", str(tmp_path / "nope")], "is not found: give a run directory"),
+            (["summary", str(afile)], "is a file: give a run directory"),
+            (["buffer", "verify", str(tmp_path / "nope")], "is not found: give a run directory"),
+            (["nightly", "report", str(tmp_path / "nope")], "is not found: give the matrix's out_dir"),
+            (["data", "make-arith", str(afile)], "is a file: give a directory"),
+            (["run", "configs/tiny.yaml", f"run_dir={tmp_path}/r", "rollout.rm_type=http://127.0.0.1:1/reward"],
+             "a reward server is written remote:URL")]:
+        res = run_cli(*args)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (args, res.stderr[-1500:])
+        assert len(lines) == 1 and fragment in lines[0], (args, res.stderr)

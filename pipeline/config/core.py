@@ -322,6 +322,11 @@ def load_yaml(path: str) -> dict:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory: give a YAML file, e.g. configs/tiny.yaml") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {e.start}): a binary file, or another"
+                          " encoding?") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -116,6 +116,8 @@ def resolve_reward(name: str, what: str = "rollout.rm_type") -> RewardFn:
         import os
 
         return RemoteReward(name.removeprefix("remote:"), api_key=os.environ.get("LOCKSTEP_RM_API_KEY"))
+    if name.startswith(("http://", "https://")):
+        raise UserError(f"{what} {name!r}: a reward server is written remote:URL ({what}=remote:{name})")
     if ":" in name:
         module, _, attr = name.partition(":")
     elif "." in name:

@@ -152,6 +152,9 @@ def collect(out_dir: str) -> list[dict]:
 
 
 def report(out_dir: str) -> str:
+    if not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir!r} is {'a file' if os.path.exists(out_dir) else 'not found'}: give the matrix's"
+                        " out_dir (a directory of runs)")
     rows = collect(out_dir)
     if not rows:
         raise UserError(f"no finished runs with metrics under {out_dir}")

@@ -510,3 +510,17 @@ def test_config_json_sizes_of_the_wrong_type_are_named(edit, fragment):
     with pytest.raises(UserError) as e:
         read_hf_config({k: v for k, v in dict(cfg, **edit).items() if v is not None or k != "model_type"})
     assert fragment in str(e.value)
+
+
+def test_a_run_dir_holding_another_models_weights_is_refused(tmp_path):
+    """Reusing a run_dir for another model: resuming would load its checkpoints into the new model (a size
+    mismatch after start-up) or, for model.init, silently train the old model_init. Refused in one line;
+    the same model resumes as before."""
+    run = f"run_dir={tmp_path}/run"
+    small = ["num_rollout=1", "rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "global_batch_size=4"]
+    res = lockstep("run", "configs/tiny.yaml", run, *small, "--no-progress", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = refused(run, *small, "model.init=tiny-moe")
+    assert "holds the weights of another model (model.init tiny-dense (init_seed 0); this run: model.init tiny-moe" in line
+    res = lockstep("run", "configs/tiny.yaml", run, *small, "num_rollout=2", "--no-progress", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -229,6 +229,29 @@ def make_initial_model(cfg: RunConfig, rundir: RunDir) -> None:
     shutil.rmtree(tok_dir, ignore_errors=True)
 
 
+def check_same_model(cfg: RunConfig, rundir: RunDir) -> None:
+    """A run_dir that holds weights (model_init, checkpoints) of another model than cfg's is refused: resuming
+    would load those into the new model (a size mismatch after start-up), or silently train the old one
+    (model_init is written once)."""
+    import yaml
+
+    holds = os.path.isdir(rundir.model_init) or (os.path.isdir(rundir.checkpoints) and os.listdir(rundir.checkpoints))
+    if not holds:
+        return
+    try:
+        with open(rundir.config) as f:
+            old = (yaml.safe_load(f) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return  # not a config this tool wrote: nothing to compare
+    m = cfg.model
+    was = (f"model.path {old.get('path')!r}" if old.get("path") else
+           f"model.init {old.get('init')} (init_seed {old.get('init_seed', 0)})")
+    now = f"model.path {m.path!r}" if m.path else f"model.init {m.init} (init_seed {m.init_seed})"
+    if was != now and (not m.path or not old.get("path") or os.path.realpath(old["path"]) != os.path.realpath(m.path)):
+        raise UserError(f"run_dir {rundir.root!r} holds the weights of another model ({was}; this run: {now}): give"
+                        " a new run_dir, or remove that one to start over")
+
+
 def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunDir]:
     """`profile`: the cluster profile when the run goes to Slurm (its GPUs are checked, not this machine's)."""
     cfg = resolve_paths(cfg)
@@ -242,6 +265,7 @@ def prepare_run(cfg: RunConfig, profile=None) -> tuple[RunConfig, RunDir]:
             raise UserError(f"run_dir {rundir.root!r} is not writable")
         text = dump_config(cfg)
         if os.path.exists(rundir.config):
+            check_same_model(cfg, rundir)
             with open(rundir.config) as f:
                 if f.read() != text:
                     log.warning("run_dir %s held a different config; the new one replaces it (resuming from its "

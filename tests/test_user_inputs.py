@@ -524,3 +524,20 @@ def test_a_run_dir_holding_another_models_weights_is_refused(tmp_path):
     assert "holds the weights of another model (model.init tiny-dense (init_seed 0); this run: model.init tiny-moe" in line
     res = lockstep("run", "configs/tiny.yaml", run, *small, "num_rollout=2", "--no-progress", timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_reward_functions_that_cannot_be_called_so_are_refused_before_the_run(tmp_path, monkeypatch):
+    """rollout.rm_type names a function the manager calls as fn(response, label, metadata): one of another
+    signature, or a bare URL, is refused when it is resolved (every call would fail and score 0)."""
+    from pipeline.rollout.rewards import resolve_reward
+
+    (tmp_path / "rm_sig_mod.py").write_text("def one(response):\n    return 1.0\n"
+                                            "def three(response, label, metadata=None):\n    return 1.0\n"
+                                            "def kw(response, *, label, metadata):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_reward("rm_sig_mod:three")("a", "b", {}) == 1.0
+    for name in ("rm_sig_mod:one", "rm_sig_mod:kw"):
+        with pytest.raises(UserError, match=r"cannot be called as fn\(response, label, metadata\)"):
+            resolve_reward(name)
+    with pytest.raises(UserError, match="a reward server is written remote:URL"):
+        resolve_reward("https://example.invalid/score")

@@ -391,6 +391,10 @@ class RolloutManager:
             self.writer.commit(step, extra={"rollout": summary, "rollout_state": state})
         log.info("step %d (weights %d): %d groups kept, %d filtered, %d pending, reward %.3f, %.2fs", step, version,
                  len(kept), len(filtered), len(self.pending), summary["rollout/reward_mean"], elapsed)
+        errors = [s.metadata["reward_error"] for s in trained if s.metadata.get("reward_error")]
+        if errors:  # scored 0 and not trained on: say why, or the run only shows reward 0
+            log.warning("step %d: the reward function failed on %d of %d samples (first: %s)", step, len(errors),
+                        len(trained), errors[0])
         return summary
 
     @staticmethod

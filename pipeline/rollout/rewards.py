@@ -8,6 +8,7 @@ failed, counted in rollout/reward_failed) instead of ending the run.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from typing import Any, Callable
 
@@ -131,6 +132,12 @@ def resolve_reward(name: str, what: str = "rollout.rm_type") -> RewardFn:
         raise UserError(f"{what} {name!r}: cannot import ({e})") from None
     if not callable(fn):
         raise UserError(f"{what} {name!r} is not callable")
+    try:
+        inspect.signature(fn).bind("response", "label", {})
+    except TypeError as e:
+        raise UserError(f"{what} {name!r} cannot be called as fn(response, label, metadata) ({e})") from None
+    except ValueError:  # no signature to read (a builtin): calls will tell
+        pass
     return fn
 
 

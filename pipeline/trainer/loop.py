@@ -182,7 +182,8 @@ class Trainer:
             batch, stale = select_fresh(batch, version, self.cfg.staleness)
             info["train/stale_samples_dropped"] = stale
         if len(batch) == 0:
-            raise RuntimeError(f"rollout step {step} has no trainable samples (all filtered, aborted or stale)")
+            raise RuntimeError(f"rollout step {step} has no trainable samples (all filtered, aborted, stale, or their reward"
+                               " failed: the rollout log names the first reward error)")
         return batch, commit
 
     def connect_engines(self) -> None:

@@ -75,15 +75,17 @@ def check_weights_present(model_dir: str, args) -> None:
     """Safetensors weights there, every shard the index names present with a readable header, the layers
     and embedding shape config.json describes (`args`: its ModelArgs), and (a tied LM head) no saved
     lm_head.weight that differs from the embedding: one line each if not."""
-    from pipeline.models.hf_files import (EMBED_NAME, config_mismatch, shape_mismatch, tensor_shape, tensor_shapes,
-                                          tied_head_differs, tied_head_error, weight_names)
+    from pipeline.models.hf_files import (EMBED_NAME, config_mismatch, shape_mismatch, tensor_shapes, tied_head_differs,
+                                          tied_head_error, weight_names)
 
     names = os.listdir(model_dir)
     if any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names:
         tensors = weight_names(model_dir)
-        why = config_mismatch(tensors, tensor_shape(model_dir, tensors, EMBED_NAME), args.num_hidden_layers,
-                              args.vocab_size, args.hidden_size, args.mtp_num_hidden_layers)
-        why = why or shape_mismatch(tensor_shapes(model_dir, tensors), args)
+        shapes = tensor_shapes(model_dir, tensors)  # every header read once, for both checks
+        embed = shapes.get(EMBED_NAME)
+        why = config_mismatch(tensors, list(embed) if embed else None, args.num_hidden_layers, args.vocab_size,
+                              args.hidden_size, args.mtp_num_hidden_layers)
+        why = why or shape_mismatch(shapes, args)
         if why:
             raise UserError(f"model.path {model_dir!r}: {why}")
         if args.tie_word_embeddings and tied_head_differs(model_dir, tensors):
@@ -243,11 +245,14 @@ def check_same_model(cfg: RunConfig, rundir: RunDir) -> None:
             old = (yaml.safe_load(f) or {}).get("model") or {}
     except (OSError, yaml.YAMLError, AttributeError):
         return  # not a config this tool wrote: nothing to compare
-    m = cfg.model
-    was = (f"model.path {old.get('path')!r}" if old.get("path") else
-           f"model.init {old.get('init')} (init_seed {old.get('init_seed', 0)})")
-    now = f"model.path {m.path!r}" if m.path else f"model.init {m.init} (init_seed {m.init_seed})"
-    if was != now and (not m.path or not old.get("path") or os.path.realpath(old["path"]) != os.path.realpath(m.path)):
+    def named(path, init, seed) -> tuple[tuple, str]:  # (what identifies the weights, how to say it)
+        if path:
+            return ("path", os.path.realpath(path)), f"model.path {path!r}"
+        return ("init", init, seed), f"model.init {init} (init_seed {seed})"
+
+    (before, was), (after, now) = (named(old.get("path"), old.get("init"), old.get("init_seed", 0)),
+                                   named(cfg.model.path, cfg.model.init, cfg.model.init_seed))
+    if before != after:
         raise UserError(f"run_dir {rundir.root!r} holds the weights of another model ({was}; this run: {now}): give"
                         " a new run_dir, or remove that one to start over")
 

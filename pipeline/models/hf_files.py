@@ -58,16 +58,6 @@ LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 EMBED_NAME = "model.embed_tokens.weight"
 
 
-def tensor_shape(model_dir: str, names: dict[str, str], name: str) -> list[int] | None:
-    """A tensor's shape from its file's header (nothing read); None when the checkpoint has no such tensor."""
-    from safetensors import safe_open
-
-    if name not in names:
-        return None
-    with safe_open(os.path.join(model_dir, names[name]), framework="numpy") as f:
-        return list(f.get_slice(name).get_shape())
-
-
 def tensor_shapes(model_dir: str, names: dict[str, str]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape from its file's header (nothing read), each file opened once."""
     from safetensors import safe_open
